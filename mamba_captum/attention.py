@@ -1,0 +1,166 @@
+"""``implicit_attention``: the per-layer implicit-attention maps of a transformers model, one forward pass."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from . import families
+from .capture import LayerCapture
+from .families import softmax
+from .operators import REDUCTIONS, SumOperator
+
+FORMULATIONS = ("unified", "hidden")
+# Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype.
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+
+
+class ReconstructionError(RuntimeError):
+    """The operator rebuilt for a layer does not reproduce that layer's real output."""
+
+
+def _model_dtype(model) -> torch.dtype:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None):
+    real, rebuilt = real.double(), rebuilt.double()
+    diff = (real - rebuilt).abs()
+    if rows_mask is not None:  # compare real tokens only: pad rows of softmax layers depend on the mask convention
+        keep = rows_mask.bool().reshape(*rows_mask.shape, *([1] * (diff.dim() - 2)))
+        diff, real = diff * keep, real * keep
+    error, scale = diff.max().item(), real.abs().max().item()
+    relative = error / scale if scale > 0 else error
+    if not relative <= TOLERANCE.get(dtype, 1e-3):
+        raise ReconstructionError(
+            f"mamba_captum: the operator rebuilt for {name} does not reproduce the layer's output "
+            f"(max abs error {error:.3g}, relative {relative:.3g}, tolerance {TOLERANCE.get(dtype, 1e-3):g}). "
+            "This layer variant is not supported as loaded; please report the model class and config.")
+    return relative
+
+
+def _normalise_rows(rows, length: int, device):
+    if rows is None:
+        return None
+    rows = torch.as_tensor(rows, dtype=torch.long, device=device).reshape(-1)
+    if rows.numel() and (rows.min() < -length or rows.max() >= length):
+        raise IndexError(f"mamba_captum: rows= {rows.tolist()} out of range for a sequence of {length} tokens.")
+    return rows % length
+
+
+def build_operators(model, input_ids=None, attention_mask=None, *, formulation="unified", layers=None,
+                    components=None, **forward_kwargs):
+    """Run one forward pass with the capture hooks and rebuild every token mixer's operator.
+
+    Returns:
+        (operators, output, errors): ``operators`` maps a layer key (decoder-layer index; for Zamba2's shared
+        attention block, ``"{i}.shared_attention"``) to its operator, in execution order; ``output`` is the model's
+        output; ``errors`` maps the same keys to the relative reconstruction error of the layer's output.
+    """
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
+    kept = families.parse_components(components, formulation)
+    decoder_layers, mixers = families.locate(model)
+    if layers is not None:
+        layers = sorted({int(i) % len(decoder_layers) for i in (layers if isinstance(layers, Iterable) else [layers])})
+    dtype = _model_dtype(model)
+    work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    if input_ids is not None:
+        forward_kwargs["input_ids"] = input_ids
+    if attention_mask is not None:
+        forward_kwargs["attention_mask"] = attention_mask
+    forward_kwargs.setdefault("use_cache", False)
+
+    with LayerCapture(decoder_layers, mixers, layers) as capture:
+        output = model(**forward_kwargs)
+    with torch.no_grad():
+        operators, errors = _rebuild_all(capture.trace, decoder_layers, formulation, kept, dtype, attention_mask)
+    operators = {key: operator.to(work_dtype) for key, operator in operators.items()}
+    return operators, output, errors
+
+
+def _rebuild_all(trace, decoder_layers, formulation, kept, dtype, attention_mask):
+    """Rebuild and check every recorded layer, in float64: the rebuilt pieces feed exponentials and norms, where
+    float32 rounding of the recomputation alone reaches 1e-5. The caller casts them to the maps' dtype."""
+    token_mask = None if attention_mask is None else attention_mask.to(torch.float64)
+    operators, errors = {}, {}
+    attention_by_layer: dict[int, list] = {}
+    for call in trace.attention_calls:
+        attention_by_layer.setdefault(call.layer, []).append(call)
+    ssm_layers = {call.located.layer for call in trace.mixer_calls}
+
+    for index in sorted(set(attention_by_layer) | ssm_layers):
+        for call in attention_by_layer.get(index, []):
+            operator, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            relative = 0.0
+            if not (call.module.training and getattr(call.module, "attention_dropout", 0.0)):
+                relative = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype, token_mask)
+            key = f"{index}.shared_attention" if index in ssm_layers else index
+            if key in operators:
+                raise RuntimeError(f"mamba_captum: layer {index} called attention twice; not supported.")
+            operators[key], errors[key] = operator, relative
+        for call in (c for c in trace.mixer_calls if c.located.layer == index):
+            name = f"layer {index} ({call.located.name}, {type(call.located.module).__name__})"
+            operator, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
+            relative = _check(name, call.output, rebuilt, dtype)
+            decoder_layer = decoder_layers[index]
+            parallel_key = f"{index}.shared_attention"
+            if hasattr(decoder_layer, "ssm_out_multiplier") and index in operators:
+                # FalconH1: attention ∥ Mamba-2 summed in every layer, each with its output multiplier.
+                attention = operators.pop(index)
+                operator = SumOperator([(float(decoder_layer.ssm_out_multiplier), operator),
+                                        (float(decoder_layer.attn_out_multiplier), attention)])
+                relative = max(relative, errors.pop(index))
+            elif parallel_key in operators and hasattr(decoder_layer, "ssm_out_multiplier"):
+                attention = operators.pop(parallel_key)
+                operator = SumOperator([(float(decoder_layer.ssm_out_multiplier), operator),
+                                        (float(decoder_layer.attn_out_multiplier), attention)])
+                relative = max(relative, errors.pop(parallel_key))
+            if index in operators:
+                raise RuntimeError(f"mamba_captum: layer {index} called its mixer twice; not supported.")
+            operators[index], errors[index] = operator, relative
+    return operators, errors
+
+
+def implicit_attention(model, input_ids=None, attention_mask=None, *, formulation="unified", reduce="mean",
+                       layers=None, rows=None, components=None, **forward_kwargs):
+    """Per-layer implicit-attention maps: the data-controlled matrices H with ``y = H x`` of every token mixer.
+
+    Args:
+        model: a transformers model with Mamba / Mamba-2 mixers (pure or hybrid), as loaded (any kernel path).
+        input_ids: (B, L) token ids (or pass ``inputs_embeds=`` (B, L, D) in ``forward_kwargs``).
+        attention_mask: (B, L), 1 for real tokens; left or right padding.
+        formulation: ``"unified"`` (gate · S6 · activation · conv [· norm], Zimerman et al.) or ``"hidden"``
+            (the S6 / SSD part alone, Ali et al.).
+        reduce: ``"mean"`` | ``"abs_mean"`` | ``"sum"`` over channels, or None for per-channel maps.
+        layers: decoder-layer indices to compute (negative allowed), None for all.
+        rows: query rows to compute (ints, negative allowed), None for all.
+        components: unified only: the parts to keep, from ``("s6", "gate", "act", "conv", "norm")`` (an iterable
+            of names or a mapping name -> bool); None keeps all. Used for the ablations.
+        **forward_kwargs: passed to ``model(...)`` (e.g. ``position_ids``, ``inputs_embeds``).
+
+    Returns:
+        dict: decoder-layer index -> (B, L, L) reduced map or (B, C, L, L) per channel (C = d_inner channels;
+        Mamba-2 "hidden": C = num_heads); (B, R, L) / (B, C, R, L) with ``rows``. Softmax layers of hybrids give
+        their head-mean (head-wise with ``reduce=None``) probabilities; FalconH1 layers give the sum of their two
+        parts scaled by the layer's output multipliers; Zamba2's shared attention block appears under the key
+        ``"{i}.shared_attention"`` just before layer ``i``. Float32, or float64 for float64 models. Rows and
+        columns of padding tokens are zero.
+
+    Raises:
+        TypeError: the model has a token mixer with no adapter (named in the message).
+        ReconstructionError: a rebuilt operator does not reproduce its layer's real output.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
+    with torch.no_grad():
+        operators, _, _ = build_operators(model, input_ids, attention_mask, formulation=formulation, layers=layers,
+                                          components=components, **forward_kwargs)
+        source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds")
+        selected = _normalise_rows(rows, source.shape[1], source.device)
+        maps = {key: operator.maps(reduce, selected) for key, operator in operators.items()}
+    return maps

@@ -1,0 +1,192 @@
+"""Hooks as a context manager: record what each token mixer saw, and always remove the hooks.
+
+What is recorded does not depend on the kernel path. For an SSM mixer: its input and 2-D mask (forward pre-hook
+on the mixer, which every path calls as a module), its output (forward hook), and whether its ``out_proj`` ran as a
+module (it does not in the fused training kernels, which compute conv, scan, norm and projection in one call;
+the adapters then rebuild the fused semantics). For a softmax attention layer: the query, key, value, mask and
+scaling handed to HF's attention interface, and the interface's output, whatever ``attn_implementation`` the model
+was loaded with. Everything else is recomputed from weights by the family adapters.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .families import LocatedMixer
+
+
+@dataclass
+class MixerCall:
+    """One call of an SSM mixer during the captured forward pass."""
+
+    located: LocatedMixer
+    hidden_states: torch.Tensor  # (B, L, D_model) mixer input, before the mixer's own pad masking
+    attention_mask: torch.Tensor | None  # (B, L) 2-D mask the mixer received (None: no padding)
+    output: torch.Tensor | None = None  # (B, L, D_model) the mixer's real output
+    unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
+
+
+@dataclass
+class AttentionCall:
+    """One call of HF's attention interface during the captured forward pass."""
+
+    layer: int
+    module: nn.Module
+    query: torch.Tensor  # (B, Hq, L, d)
+    key: torch.Tensor  # (B, Hkv, L, d)
+    value: torch.Tensor  # (B, Hkv, L, d)
+    attention_mask: torch.Tensor | None
+    scaling: float | None
+    options: dict[str, Any]  # sliding_window, softcap, is_causal, ...
+    output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
+
+
+@dataclass
+class Trace:
+    """Everything recorded in one forward pass, by decoder layer."""
+
+    mixer_calls: list[MixerCall] = field(default_factory=list)
+    attention_calls: list[AttentionCall] = field(default_factory=list)
+
+
+class LayerCapture(contextlib.AbstractContextManager):
+    """Register the recording hooks on entry; remove every one of them on exit, whatever happened.
+
+    Args:
+        decoder_layers: the model's decoder-layer ``ModuleList`` (index = decoder-layer index).
+        mixers: the SSM mixers to record (from :func:`mamba_captum.families.locate`).
+        layers: decoder-layer indices to record, or None for all.
+        record_attention: whether to record softmax attention calls.
+        detach: store detached tensors (maps need no graph); False keeps the graph for gradient methods.
+    """
+
+    def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
+                 record_attention: bool = True, detach: bool = True):
+        self.decoder_layers = decoder_layers
+        self.mixers = [m for m in mixers if layers is None or m.layer in layers]
+        self.layers = None if layers is None else set(layers)
+        self.record_attention = record_attention
+        self.detach = detach
+        self.trace = Trace()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._layer_stack: list[int] = []
+        self._had_instance_get_interface = False
+        self._previous_get_interface = None
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    def _keep(self, tensor):
+        if tensor is None or not torch.is_tensor(tensor):
+            return tensor
+        return tensor.detach() if self.detach else tensor
+
+    def _current_layer(self) -> int | None:
+        return self._layer_stack[-1] if self._layer_stack else None
+
+    # -- hooks ----------------------------------------------------------------------------------------------
+    def _layer_pre_hook(self, index):
+        def hook(module, args):
+            self._layer_stack.append(index)
+
+        return hook
+
+    def _layer_post_hook(self, module, args, output):
+        if self._layer_stack:
+            self._layer_stack.pop()
+
+    def _mixer_pre_hook(self, located):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            mask = kwargs.get("attention_mask")
+            if mask is None and len(args) > 2:
+                mask = args[2]
+            if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
+                mask = None  # the mixers only ever use a 2-D padding mask
+            self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask)))
+
+        return hook
+
+    def _mixer_post_hook(self, located):
+        def hook(module, args, kwargs, output):
+            call = self._last_call(located)
+            call.output = self._keep(output[0] if isinstance(output, tuple) else output)
+
+        return hook
+
+    def _out_proj_hook(self, located):
+        def hook(module, args, output):
+            self._last_call(located).unfused = True
+
+        return hook
+
+    def _last_call(self, located) -> MixerCall:
+        for call in reversed(self.trace.mixer_calls):
+            if call.located is located:
+                return call
+        raise RuntimeError(f"mamba_captum: no recorded call for {located.name}")  # hooks fire in order
+
+    def _wrap_attention(self, interface):
+        capture = self
+
+        def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
+            output = interface(module, query, key, value, attention_mask, *args, **kwargs)
+            layer = capture._current_layer()
+            if layer is not None and (capture.layers is None or layer in capture.layers):
+                scaling = kwargs.get("scaling", args[0] if args else None)
+                options = {k: kwargs[k] for k in ("sliding_window", "softcap", "is_causal") if k in kwargs}
+                attn_out = output[0] if isinstance(output, tuple) else output
+                capture.trace.attention_calls.append(AttentionCall(
+                    layer, module, capture._keep(query), capture._keep(key), capture._keep(value),
+                    capture._keep(attention_mask), scaling, options, capture._keep(attn_out)))
+            return output
+
+        return recording_interface
+
+    # -- context manager ------------------------------------------------------------------------------------
+    def __enter__(self):
+        try:
+            for index, layer in enumerate(self.decoder_layers):
+                self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(index)))
+                self._handles.append(layer.register_forward_hook(self._layer_post_hook))
+            for located in self.mixers:
+                module = located.module
+                self._handles.append(module.register_forward_pre_hook(self._mixer_pre_hook(located), with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._mixer_post_hook(located), with_kwargs=True))
+                out_proj = getattr(module, "out_proj", None)
+                if isinstance(out_proj, nn.Module):
+                    self._handles.append(out_proj.register_forward_hook(self._out_proj_hook(located)))
+            if self.record_attention:
+                # An instance attribute shadows AttentionInterface.get_interface while we record; every attention
+                # module of transformers 5 looks its implementation up through it at call time.
+                self._had_instance_get_interface = "get_interface" in vars(ALL_ATTENTION_FUNCTIONS)
+                self._previous_get_interface = ALL_ATTENTION_FUNCTIONS.get_interface
+                previous = self._previous_get_interface
+
+                def get_interface(attn_implementation, default):
+                    return self._wrap_attention(previous(attn_implementation, default))
+
+                ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def _remove(self):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._layer_stack.clear()
+        if self._previous_get_interface is not None:
+            if self._had_instance_get_interface:
+                ALL_ATTENTION_FUNCTIONS.get_interface = self._previous_get_interface
+            else:
+                vars(ALL_ATTENTION_FUNCTIONS).pop("get_interface", None)
+            self._previous_get_interface = None
+
+    def __exit__(self, *exc):
+        self._remove()
+        return False

@@ -1,0 +1,110 @@
+"""Mamba-2 layout: Mamba2Mixer, BambaMixer, Zamba2MambaMixer, NemotronHMamba2Mixer, FalconH1Mixer,
+GraniteMoeHybridMambaLayer.
+
+Forward (transformers 5.23, e.g. ``Mamba2Mixer.forward``): ``z, xBC, dt = in_proj(h·m)`` (FalconH1: input ×
+``ssm_in_multiplier``, projection × ``mup_vector``); ``xBC = silu(conv(xBC) + b)·m``; split into x (H heads × P),
+B, C (G groups × N); ``Δ_h = clamp(softplus(dt + dt_bias), time_step_limit)``; ``A_h = -exp(A_log_h)``;
+``y = SSD(x) + D·x``; ``out = out_proj(norm(y, z))`` with the gated RMS norm (gate first, then RMS over each of
+the ``n_groups`` channel groups, × weight; FalconH1 without ``mamba_rms_norm``: ``y·silu(z)``). Only the mixer
+input is taken from hooks; the rest is recomputed, so any kernel path gives the same operator.
+
+hidden:  α_h[i,j] = (C_i · B_j)_{g(h)} exp(A_h Σ_{k=j+1..i} Δ_kh) Δ_jh                 over x after conv.
+unified: H_c = diag(ν_c) diag(silu(z_c)) α_h diag(σ(c_c)·m) M_c  for channel c of head h    over x before conv,
+         ν the norm scale weight / rms, computed from the real activations.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.scans import ssd_scan_reference
+from ..operators import SSDOperator
+from .mamba import _masked
+
+MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer",
+                 "GraniteMoeHybridMambaLayer")
+
+
+def _norm_scale(mixer, y, gate, unfused: bool):
+    """ν (B, L, D_in): the per-token, per-channel scale of the gated RMS norm, or None when the layer has none."""
+    norm = mixer.norm
+    if isinstance(norm, nn.Identity) or not getattr(mixer, "mamba_rms_norm", True):
+        return None
+    d_inner = y.shape[-1]
+    group_size = getattr(norm, "group_size", None) or d_inner // norm.n_groups
+    # The fused training kernel always gates before the norm (HF passes norm_before_gate=False to it).
+    gated_first = not (getattr(norm, "norm_before_gate", False) and unfused)
+    normed = y * gate if gated_first else y
+    grouped = normed.reshape(*normed.shape[:-1], d_inner // group_size, group_size)
+    inv_rms = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight.to(y.dtype) * inv_rms.expand_as(grouped).reshape(normed.shape)
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`SSDOperator` and the mixer output recomputed from it, (B, L, D_model).
+    """
+    mixer = call.located.module
+    hidden, mask = call.hidden_states, call.attention_mask
+    batch, length, _ = hidden.shape
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "the unified operator is defined for silu.")
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    d_inner = mixer.intermediate_size
+
+    h = _masked(hidden, mask)
+    if hasattr(mixer, "ssm_in_multiplier"):
+        h = h * mixer.ssm_in_multiplier
+    projected = mixer.in_proj(h)
+    if hasattr(mixer, "mup_vector"):
+        projected = projected * mixer.mup_vector
+    z, xbc, dt = projected.split([d_inner, mixer.conv_dim, heads], dim=-1)
+    conv = mixer.conv1d
+    kernel = conv.weight.shape[-1]
+    pre = F.conv1d(xbc.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias, padding=kernel - 1,
+                   groups=mixer.conv_dim)[..., :length].transpose(1, 2)
+    act = F.silu(pre).to(xbc.dtype)
+    if call.unfused:  # the fused training kernel does not re-apply the pad mask after the conv
+        act = _masked(act, mask)
+    x, B, C = act.split([d_inner, groups * state, groups * state], dim=-1)
+
+    w = lambda t: t.to(work_dtype)
+    low, high = mixer.time_step_limit
+    delta = torch.clamp(F.softplus(w(dt) + w(mixer.dt_bias)), min=low, max=high)  # (B, L, H)
+    A = -torch.exp(w(mixer.A_log))
+    x, z, pre_x = w(x), w(z), w(pre[..., :d_inner])
+    B, C = w(B).view(batch, length, groups, state), w(C).view(batch, length, groups, state)
+
+    x_heads = x.view(batch, length, heads, head_dim)
+    y = ssd_scan_reference(x_heads, delta, A, B, C) + w(mixer.D)[:, None] * x_heads
+    y = y.reshape(batch, length, d_inner)
+    gate = F.silu(z)
+    nu = _norm_scale(mixer, y, gate, call.unfused)
+    inner = y * gate if nu is None else nu * gate * y
+    rebuilt = mixer.out_proj(inner.to(hidden.dtype))
+
+    operator_mask = None if mask is None else w(mask)
+    if formulation == "hidden":
+        return SSDOperator(delta, A, B, C, operator_mask), rebuilt
+
+    def per_head(t):
+        return None if t is None else t.reshape(batch, length, heads, head_dim)
+
+    row = None
+    if "gate" in components:
+        row = gate
+    if "norm" in components and nu is not None:
+        row = nu if row is None else row * nu
+    col = torch.sigmoid(pre_x) if "act" in components else None
+    if operator_mask is not None:
+        col = operator_mask[:, :, None].expand_as(x) if col is None else col * operator_mask[:, :, None]
+    taps = w(conv.weight[:d_inner, 0, :]).reshape(heads, head_dim, kernel) if "conv" in components else None
+    if row is None and col is None and taps is None:
+        col = torch.ones_like(x)  # keep the per-channel layout of the unified operator
+    operator = SSDOperator(delta, A, B, C, operator_mask, row_weight=per_head(row), col_weight=per_head(col),
+                           conv_weight=taps, head_dim=head_dim, s6="s6" in components)
+    return operator, rebuilt

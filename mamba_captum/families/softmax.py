@@ -1,0 +1,50 @@
+"""Softmax attention layers of hybrids (Jamba, Bamba, Zamba2's shared block, NemotronH, FalconH1, GraniteMoeHybrid).
+
+The probabilities are rebuilt from what the layer handed to HF's attention interface (query and key after
+projections, norms and RoPE; the mask; the scaling), so they are the same whatever ``attn_implementation`` the
+model was loaded with (eager, sdpa, flash): ``P = softmax(q kᵀ · scaling + mask)`` per head, key/value heads repeated
+for grouped-query attention. ``P v`` is checked against the interface's real output.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..operators import SoftmaxOperator
+
+
+def _additive_mask(call, q_len: int, k_len: int, dtype, device):
+    mask = call.attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[..., :k_len]
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, float("-inf"))
+        return mask.to(dtype)
+    # No 4-D mask: causal (sdpa / flash build it themselves), plus the 2-D padding mask flash receives.
+    is_causal = call.options.get("is_causal", getattr(call.module, "is_causal", True))
+    keep = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
+    if is_causal:
+        keep = torch.tril(keep, diagonal=k_len - q_len)
+    window = call.options.get("sliding_window")
+    if window:
+        keep = keep & torch.triu(torch.ones_like(keep), diagonal=k_len - q_len - window + 1)
+    keep = keep[None, None]
+    if mask is not None and mask.dim() == 2:
+        keep = keep & mask[:, None, None, :k_len].bool()
+    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))
+
+
+def rebuild(call, work_dtype: torch.dtype, mask):
+    """Returns (operator, rebuilt_output, real_output): the :class:`SoftmaxOperator` and P·v next to the real
+    interface output, both (B, L, Hq, d)."""
+    q, k, v = (t.to(work_dtype) for t in (call.query, call.key, call.value))
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scaling = call.scaling if call.scaling is not None else q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-1, -2) * scaling
+    softcap = call.options.get("softcap")
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + _additive_mask(call, q.shape[2], k.shape[2], work_dtype, q.device)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (pad) rows -> 0
+    rebuilt = (probs @ v).transpose(1, 2)
+    return SoftmaxOperator(probs, mask), rebuilt, call.output.to(work_dtype)

@@ -1,0 +1,24 @@
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
+
+# HF logs a one-time "falling back to the PyTorch implementation" per kernel function on CPU; keep output readable.
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (the project's exactness measure)."""
+    actual, expected = actual.double(), expected.double()
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    return error / scale if scale > 0 else error
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,63 @@
+"""Tiny random transformers models of every supported family (fixed seed), for the tests and the examples."""
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 64
+
+
+def _common(**kw):
+    return dict(vocab_size=VOCAB, hidden_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, **kw)
+
+
+def _mamba2_hybrid(**kw):
+    return dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                mamba_expand=2, mamba_chunk_size=8, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=64, **kw)
+
+
+CONFIGS = {
+    "mamba": lambda: tf.MambaConfig(**_common(num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+                                              time_step_rank=4)),
+    "falcon_mamba": lambda: tf.FalconMambaConfig(**_common(num_hidden_layers=2, state_size=8, expand=2,
+                                                           conv_kernel=4, time_step_rank=4)),
+    "jamba": lambda: tf.JambaConfig(**_common(num_hidden_layers=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                              mamba_dt_rank=4, num_attention_heads=4, num_key_value_heads=2,
+                                              intermediate_size=64, attn_layer_period=4, attn_layer_offset=2,
+                                              expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                                              num_experts_per_tok=1, use_mamba_kernels=False)),
+    "mamba2": lambda: tf.Mamba2Config(**_common(num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2,
+                                                state_size=8, expand=2, conv_kernel=4, chunk_size=8)),
+    "bamba": lambda: tf.BambaConfig(**_common(num_hidden_layers=3, attn_layer_indices=[1], **_mamba2_hybrid())),
+    "zamba2": lambda: tf.Zamba2Config(**_common(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+                                                mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2,
+                                                mamba_headdim=16, n_mamba_heads=4, num_attention_heads=4,
+                                                num_key_value_heads=4, attention_head_dim=16, intermediate_size=64,
+                                                num_mem_blocks=1, chunk_size=8, use_mem_rope=True)),
+    "nemotron_h": lambda: tf.NemotronHConfig(**_common(layers_block_type=["mamba", "mlp", "attention", "mamba"],
+                                                       mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+                                                       ssm_state_size=8, conv_kernel=4, expand=2, chunk_size=8,
+                                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                                       intermediate_size=64)),
+    "falcon_h1": lambda: tf.FalconH1Config(**_common(num_hidden_layers=2, **_mamba2_hybrid(),
+                                                     ssm_multipliers=[0.9, 1.1, 1.2, 0.8, 1.05],
+                                                     ssm_in_multiplier=1.3, ssm_out_multiplier=0.7, mamba_d_ssm=64,
+                                                     attention_in_multiplier=1.1, attention_out_multiplier=0.6)),
+    "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(**_common(
+        num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=2,
+        num_experts_per_tok=1, shared_intermediate_size=64, **_mamba2_hybrid())),
+}
+MAMBA1 = ("mamba", "falcon_mamba", "jamba")
+MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")
+
+
+def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "eager", **overrides):
+    """A tiny random causal LM of ``family`` in eval mode. Overrides are set on the config."""
+    config = CONFIGS[family]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
