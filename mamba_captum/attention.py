@@ -12,7 +12,9 @@ from .operators import REDUCTIONS, SumOperator
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype.
-TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+# Real mismatches (a variant the adapter does not know) are O(1e-2) or more; HF runs some scans in float32 even
+# for float64 models, hence the float64 bound.
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 
 
 class ReconstructionError(RuntimeError):

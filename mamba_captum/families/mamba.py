@@ -46,11 +46,21 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         u = _masked(u, mask)
     dt_low, B, C = torch.split(mixer.x_proj(u), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size],
                                dim=-1)
+    norm_dt_after_projection = False
     if hasattr(mixer, "dt_layernorm"):  # FalconMamba (weightless) and Jamba (learned) RMS norms
-        dt_low, B, C = mixer.dt_layernorm(dt_low), mixer.b_layernorm(B), mixer.c_layernorm(C)
+        B, C = mixer.b_layernorm(B), mixer.c_layernorm(C)
+        # HF's torch path normalises the rank-R dt before dt_proj; mamba-ssm's fused kernel (training mode)
+        # normalises the D_in-wide projection instead (the dummy weight has D_in entries). Follow what ran.
+        norm_dt_after_projection = not call.unfused
+        if not norm_dt_after_projection:
+            dt_low = mixer.dt_layernorm(dt_low)
 
     w = lambda t: t.to(work_dtype)
-    delta = F.softplus(w(F.linear(dt_low, mixer.dt_proj.weight)) + w(mixer.dt_proj.bias))
+    dt = w(F.linear(dt_low, mixer.dt_proj.weight))
+    if norm_dt_after_projection:
+        norm = mixer.dt_layernorm
+        dt = dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + norm.eps) * w(norm.weight)
+    delta = F.softplus(dt + w(mixer.dt_proj.bias))
     A = -torch.exp(w(mixer.A_log))
     u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
 
