@@ -1,0 +1,28 @@
+"""The installed, non-editable wheel ships the kernels as mamba_captum.kernels (no top-level `kernels`)."""
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_kernels_under_the_library_namespace(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist")], check=True)
+    wheel = next((tmp_path / "dist").glob("mamba_captum-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "mamba_captum/kernels/selective/blocked.py" in names
+    assert "mamba_captum/kernels/ssd/naive.py" in names
+    assert not any(name.startswith("kernels/") for name in names)  # HF's kernel-hub package owns that name
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True)
+    code = ("import mamba_captum, mamba_captum.kernels.selective as k, mamba_captum.kernels.ssd as s;"
+            "print(mamba_captum.__file__); print(k.selective_maps.__module__, s.ssd_maps.__module__)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), *sys.path[1:]]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True, capture_output=True,
+                         text=True).stdout.splitlines()
+    assert out[0].startswith(str(target))  # the installed copy, not the source tree
+    assert out[1] == "mamba_captum.kernels.selective mamba_captum.kernels.ssd"
