@@ -53,79 +53,89 @@ def _normalise_rows(rows, length: int, device):
     return rows % length
 
 
-def build_operators(model, input_ids=None, attention_mask=None, *, formulation="unified", layers=None,
-                    components=None, **forward_kwargs):
-    """Run one forward pass with the capture hooks and rebuild every token mixer's operator.
-
-    Returns:
-        (operators, output, errors): ``operators`` maps a layer key (decoder-layer index; for Zamba2's shared
-        attention block, ``"{i}.shared_attention"``) to its operator, in execution order; ``output`` is the model's
-        output; ``errors`` maps the same keys to the relative reconstruction error of the layer's output.
-    """
+def _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs):
+    """Validate the arguments and run the model once with the capture hooks."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
     kept = families.parse_components(components, formulation)
     decoder_layers, mixers = families.locate(model)
     if layers is not None:
         layers = sorted({int(i) % len(decoder_layers) for i in (layers if isinstance(layers, Iterable) else [layers])})
-    dtype = _model_dtype(model)
-    work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-
     if input_ids is not None:
         forward_kwargs["input_ids"] = input_ids
     if attention_mask is not None:
         forward_kwargs["attention_mask"] = attention_mask
     forward_kwargs.setdefault("use_cache", False)
-
     with LayerCapture(decoder_layers, mixers, layers) as capture:
         output = model(**forward_kwargs)
-    with torch.no_grad():
-        operators, errors = _rebuild_all(capture.trace, decoder_layers, formulation, kept, dtype, attention_mask)
-    operators = {key: operator.to(work_dtype) for key, operator in operators.items()}
-    return operators, output, errors
+    return capture.trace, output, decoder_layers, kept
 
 
-def _rebuild_all(trace, decoder_layers, formulation, kept, dtype, attention_mask):
-    """Rebuild and check every recorded layer, in float64: the rebuilt pieces feed exponentials and norms, where
-    float32 rounding of the recomputation alone reaches 1e-5. The caller casts them to the maps' dtype."""
+def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
+    """Rebuild and check the recorded layers one by one, in execution order: yields (key, operator, error).
+
+    Rebuilding runs in float64 (the rebuilt pieces feed exponentials and norms, where float32 rounding of the
+    recomputation alone reaches 1e-5); each operator is then cast to the maps' dtype: float64 for float64 models,
+    float32 otherwise.
+    """
+    dtype = _model_dtype(model)
+    work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     token_mask = None if attention_mask is None else attention_mask.to(torch.float64)
-    operators, errors = {}, {}
-    attention_by_layer: dict[int, list] = {}
+    attention_calls: dict[int, list] = {}
     for call in trace.attention_calls:
-        attention_by_layer.setdefault(call.layer, []).append(call)
-    ssm_layers = {call.located.layer for call in trace.mixer_calls}
+        attention_calls.setdefault(call.layer, []).append(call)
+    mixer_calls: dict[int, list] = {}
+    for call in trace.mixer_calls:
+        mixer_calls.setdefault(call.located.layer, []).append(call)
 
-    for index in sorted(set(attention_by_layer) | ssm_layers):
-        for call in attention_by_layer.get(index, []):
-            operator, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
-            relative = 0.0
+    for index in sorted(set(attention_calls) | set(mixer_calls)):
+        if len(attention_calls.get(index, ())) > 1 or len(mixer_calls.get(index, ())) > 1:
+            raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
+        attention = ssm = None
+        for call in attention_calls.get(index, ()):
+            attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            attention_error = 0.0  # dropout in training mode cannot be replayed: nothing to compare then
             if not (call.module.training and getattr(call.module, "attention_dropout", 0.0)):
-                relative = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype, token_mask)
-            key = f"{index}.shared_attention" if index in ssm_layers else index
-            if key in operators:
-                raise RuntimeError(f"mamba_captum: layer {index} called attention twice; not supported.")
-            operators[key], errors[key] = operator, relative
-        for call in (c for c in trace.mixer_calls if c.located.layer == index):
-            name = f"layer {index} ({call.located.name}, {type(call.located.module).__name__})"
-            operator, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
-            relative = _check(name, call.output, rebuilt, dtype)
-            decoder_layer = decoder_layers[index]
-            parallel_key = f"{index}.shared_attention"
-            if hasattr(decoder_layer, "ssm_out_multiplier") and index in operators:
-                # FalconH1: attention ∥ Mamba-2 summed in every layer, each with its output multiplier.
-                attention = operators.pop(index)
-                operator = SumOperator([(float(decoder_layer.ssm_out_multiplier), operator),
-                                        (float(decoder_layer.attn_out_multiplier), attention)])
-                relative = max(relative, errors.pop(index))
-            elif parallel_key in operators and hasattr(decoder_layer, "ssm_out_multiplier"):
-                attention = operators.pop(parallel_key)
-                operator = SumOperator([(float(decoder_layer.ssm_out_multiplier), operator),
-                                        (float(decoder_layer.attn_out_multiplier), attention)])
-                relative = max(relative, errors.pop(parallel_key))
-            if index in operators:
-                raise RuntimeError(f"mamba_captum: layer {index} called its mixer twice; not supported.")
-            operators[index], errors[index] = operator, relative
-    return operators, errors
+                attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                                         token_mask)
+        for call in mixer_calls.get(index, ()):
+            ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
+            ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
+                               call.output, rebuilt, dtype)
+        layer = decoder_layers[index]
+        if ssm is not None and attention is not None and hasattr(layer, "ssm_out_multiplier"):
+            # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
+            combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
+                                                                               attention)])
+            yield index, combined.to(work_dtype), max(ssm_error, attention_error)
+            continue
+        if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
+            yield (f"{index}.shared_attention" if ssm is not None else index), attention.to(work_dtype), \
+                attention_error
+        if ssm is not None:
+            yield index, ssm.to(work_dtype), ssm_error
+
+
+def build_operators(model, input_ids=None, attention_mask=None, *, formulation="unified", layers=None,
+                    components=None, **forward_kwargs):
+    """Run one forward pass with the capture hooks and rebuild every token mixer's operator.
+
+    Arguments as in :func:`implicit_attention`. The forward runs in the caller's grad mode; the operators carry no
+    graph.
+
+    Returns:
+        (operators, output, errors): ``operators`` maps a layer key (decoder-layer index; for Zamba2's shared
+        attention block, ``"{i}.shared_attention"``) to its operator (:mod:`mamba_captum.operators`), in execution
+        order; ``output`` is the model's output; ``errors`` maps the same keys to the relative error of the layer
+        output rebuilt from the operator.
+    """
+    trace, output, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers,
+                                                   components, forward_kwargs)
+    operators, errors = {}, {}
+    with torch.no_grad():
+        for key, operator, error in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
+            operators[key], errors[key] = operator, error
+    return operators, output, errors
 
 
 def implicit_attention(model, input_ids=None, attention_mask=None, *, formulation="unified", reduce="mean",
@@ -159,10 +169,14 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
+    source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds")
+    if source is None:
+        raise ValueError("mamba_captum: pass input_ids, or inputs_embeds= as a keyword argument.")
+    selected = _normalise_rows(rows, source.shape[1], source.device)
     with torch.no_grad():
-        operators, _, _ = build_operators(model, input_ids, attention_mask, formulation=formulation, layers=layers,
-                                          components=components, **forward_kwargs)
-        source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds")
-        selected = _normalise_rows(rows, source.shape[1], source.device)
-        maps = {key: operator.maps(reduce, selected) for key, operator in operators.items()}
+        trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,
+                                                  forward_kwargs)
+        # Layer by layer: only one layer's operator is alive at a time.
+        maps = {key: operator.maps(reduce, selected)
+                for key, operator, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask)}
     return maps
