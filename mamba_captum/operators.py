@@ -13,19 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-REDUCTIONS = ("mean", "abs_mean", "sum", None)
-
-
-def _reduce_channels(per_channel: torch.Tensor, reduce) -> torch.Tensor:
-    """Reduce (B, C, R, L) over C."""
-    if reduce is None:
-        return per_channel
-    if reduce == "mean":
-        return per_channel.mean(1)
-    if reduce == "sum":
-        return per_channel.sum(1)
-    return per_channel.abs().mean(1)
-
+from .kernels.reductions import REDUCTIONS, reduce_channels  # noqa: F401 (REDUCTIONS re-exported)
+from .kernels.selective import selective_maps
+from .kernels.ssd import ssd_maps
 
 def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torch.Tensor:
     if mask is None:
@@ -53,7 +43,7 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
         maps[:, :, i, i - tau] = (diag[:, tau:] * taps[:, tau]).transpose(1, 2)
     if rows is not None:
         maps = maps[:, :, rows]
-    return _reduce_channels(maps, reduce)
+    return reduce_channels(maps, reduce)
 
 
 class _CastMixin:
@@ -84,8 +74,6 @@ class SelectiveOperator(_CastMixin):
 
     def maps(self, reduce="mean", rows=None):
         if self.s6:
-            from .kernels.selective import selective_maps
-
             out = selective_maps(self.delta, self.A, self.B, self.C, row_weight=self.row_weight,
                                  col_weight=self.col_weight, conv_weight=self.conv_weight, rows=rows, reduce=reduce)
         else:
@@ -121,8 +109,6 @@ class SSDOperator(_CastMixin):
 
     def maps(self, reduce="mean", rows=None):
         if self.s6:
-            from .kernels.ssd import ssd_maps
-
             out = ssd_maps(self.delta, self.A, self.B, self.C, row_weight=self.row_weight,
                            col_weight=self.col_weight, conv_weight=self.conv_weight, rows=rows, reduce=reduce)
         else:
@@ -147,7 +133,7 @@ class SoftmaxOperator(_CastMixin):
 
     def maps(self, reduce="mean", rows=None):
         probs = self.probs if rows is None else self.probs[:, :, rows]
-        return _mask_rows_cols(_reduce_channels(probs, reduce), self.mask, rows)
+        return _mask_rows_cols(reduce_channels(probs, reduce), self.mask, rows)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-REDUCTIONS = ("mean", "sum", "abs_mean", None)
+from ..reductions import REDUCTIONS
 
 _NAIVE_CHUNK_ELEMENTS = 1 << 24  # elements of the (B, R, L, chunk, N) decay tensor
 # exp(x) for x below log(smallest normal) is subnormal or 0 (negligible) and takes a ~10× slower path on CPU.

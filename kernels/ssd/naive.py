@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-REDUCE_MODES = ("mean", "sum", "abs_mean", None)
+from ..reductions import REDUCTIONS as REDUCE_MODES, reduce_channels
+
 
 
 @dataclass(frozen=True)
@@ -119,17 +120,6 @@ def check_ssd_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, 
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= length):
             raise ValueError(f"rows must lie in [0, {length}), got values in [{int(rows.min())}, {int(rows.max())}]")
     return SSDShapes(batch, length, heads, groups, state, head_dim, taps, rows)
-
-
-def reduce_channels(per_channel: torch.Tensor, reduce) -> torch.Tensor:
-    """Reduce (B, C, R, L) over C as ``reduce`` says (None keeps it)."""
-    if reduce is None:
-        return per_channel
-    if reduce == "mean":
-        return per_channel.mean(1)
-    if reduce == "sum":
-        return per_channel.sum(1)
-    return per_channel.abs().mean(1)
 
 
 def ssd_hidden_maps_naive(delta, A, B, C) -> torch.Tensor:
