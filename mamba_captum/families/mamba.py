@@ -64,7 +64,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     A = -torch.exp(w(mixer.A_log))
     u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
 
-    scan = selective_scan_reference(u, delta, A, B, C) + w(mixer.D) * u
+    # The scan only serves the check (the operator does not depend on it): run it in the model's precision.
+    check = lambda t: t.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
+    scan = scan + w(mixer.D) * u
     rebuilt = mixer.out_proj((scan * F.silu(z)).to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
