@@ -3,10 +3,13 @@
 For each config and length L it reports
   forward   the model's own HF forward (no_grad, use_cache=False), for scale;
   capture   build_operators: the hooked forward + rebuilding and checking every layer's operator;
-  maps      the channel-mean maps of all layers from the operators, with the blocked kernels, and the peak extra
-            memory (RSS sampled every 2 ms) while they run;
+  maps      the channel-mean maps of all layers from the operators, with the blocked kernels;
   naive     the same maps with the naive per-channel kernels, where they fit (measured on a few layers and scaled
-            to all layers: the layers cost the same).
+            to all layers: the layers cost the same), and their peak extra memory;
+  call      one whole ``implicit_attention(model, ids, reduce="mean")`` (forward, rebuild and maps, layer by layer)
+            and its peak extra memory over the loaded model.
+Memory is the process RSS sampled every 2 ms, after ``malloc_trim`` and with glibc's mmap threshold fixed at
+64 KiB, so that freed tensors leave the RSS (otherwise glibc keeps them and the figures mean nothing).
 
 Run:  python benchmarks/bench_implicit_attention.py [--lengths 256 512 1024 2048] [--models mamba mamba2]
 Each (model, L) runs in a fresh subprocess so memory figures do not leak into each other.
@@ -93,13 +96,12 @@ def run_one(name: str, length: int) -> dict:
         result["capture_s"] = time.perf_counter() - start
         result["max_reconstruction_error"] = max(errors.values())
 
-        with PeakRSS() as memory:
-            start = time.perf_counter()
-            maps = {key: op.maps("mean") for key, op in operators.items()}
-            result["maps_s"] = time.perf_counter() - start
-        result["maps_peak_extra_mib"] = memory.extra / 2**20
+        start = time.perf_counter()
+        maps = {key: op.maps("mean") for key, op in operators.items()}
+        result["maps_s"] = time.perf_counter() - start
 
         if length <= NAIVE_MAX_LENGTH:
+            release_freed_memory()
             naive = selective_maps_naive if name == "mamba" else ssd_maps_naive
             keys = list(operators)[:NAIVE_LAYERS]
             with PeakRSS() as memory:
@@ -115,7 +117,26 @@ def run_one(name: str, length: int) -> dict:
                 elapsed = time.perf_counter() - start
             result["naive_s"] = elapsed * len(operators) / len(keys)
             result["naive_peak_extra_mib"] = memory.extra / 2**20
+
+        del operators, maps
+        release_freed_memory()
+        with PeakRSS() as memory:
+            start = time.perf_counter()
+            mc.implicit_attention(model, ids, reduce="mean")
+            result["call_s"] = time.perf_counter() - start
+        result["call_peak_extra_mib"] = memory.extra / 2**20
     return result
+
+
+def release_freed_memory():
+    """Return freed heap memory to the OS and make later large allocations mmapped (so RSS tracks live memory)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    libc.malloc_trim(0)
 
 
 def main():
@@ -132,9 +153,10 @@ def main():
 
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
-    print("| model | L | HF forward (s) | capture + rebuild + check (s) | maps, blocked (s) | maps peak extra (MiB) "
-          "| maps, naive (s) | naive peak extra (MiB) | speed-up | blocked vs naive (rel) | reconstruction (rel) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | L | HF forward (s) | capture + rebuild + check (s) | maps, blocked (s) | maps, naive (s) "
+          "| speed-up | naive peak extra (MiB) | blocked vs naive (rel) | whole call (s) | whole call peak extra (MiB) "
+          "| reconstruction (rel) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         for length in args.lengths:
             out = subprocess.run([sys.executable, __file__, "--one", name, str(length)], capture_output=True,
@@ -143,12 +165,10 @@ def main():
                 print(f"| {name} | {length} | failed: {out.stderr.strip().splitlines()[-1]} |", flush=True)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {length} | {r['forward_s']:.2f} | {r['capture_s']:.2f} | {r['maps_s']:.2f} | "
-                  f"{r['maps_peak_extra_mib']:.0f} | {r['naive_s']:.1f} | {r['naive_peak_extra_mib']:.0f} | "
-                  f"×{r['naive_s'] / r['maps_s']:.0f} | {r['blocked_vs_naive_rel']:.1e} | "
-                  f"{r['max_reconstruction_error']:.1e} |" if "naive_s" in r else
-                  f"| {name} | {length} | {r['forward_s']:.2f} | {r['capture_s']:.2f} | {r['maps_s']:.2f} | "
-                  f"{r['maps_peak_extra_mib']:.0f} | – | – | – | – | {r['max_reconstruction_error']:.1e} |",
+            naive = (f"{r['naive_s']:.1f} | ×{r['naive_s'] / r['maps_s']:.0f} | {r['naive_peak_extra_mib']:.0f} | "
+                     f"{r['blocked_vs_naive_rel']:.1e}") if "naive_s" in r else "– | – | – | –"
+            print(f"| {name} | {length} | {r['forward_s']:.2f} | {r['capture_s']:.2f} | {r['maps_s']:.2f} | {naive} | "
+                  f"{r['call_s']:.2f} | {r['call_peak_extra_mib']:.0f} | {r['max_reconstruction_error']:.1e} |",
                   flush=True)
 
 
