@@ -73,15 +73,15 @@ def make_model(name: str):
 
 
 def run_one(name: str, length: int) -> dict:
-    import logging
-
     import torch
 
     import mamba_captum as mc
     from mamba_captum.kernels.selective import selective_maps_naive
     from mamba_captum.kernels.ssd import ssd_maps_naive
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
     model = make_model(name)
     ids = torch.randint(3, 50000, (1, length), generator=torch.Generator().manual_seed(1))
     result = {"model": name, "L": length}

@@ -1,14 +1,14 @@
-import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
 
 # HF logs a one-time "falling back to the PyTorch implementation" per kernel function on CPU; keep output readable.
-logging.getLogger("transformers").setLevel(logging.ERROR)
+transformers.logging.set_verbosity_error()
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

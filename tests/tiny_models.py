@@ -26,7 +26,7 @@ CONFIGS = {
                                               mamba_dt_rank=4, num_attention_heads=4, num_key_value_heads=2,
                                               intermediate_size=64, attn_layer_period=4, attn_layer_offset=2,
                                               expert_layer_period=2, expert_layer_offset=1, num_experts=2,
-                                              num_experts_per_tok=1, use_mamba_kernels=False)),
+                                              num_experts_per_tok=1)),
     "mamba2": lambda: tf.Mamba2Config(**_common(num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=2,
                                                 state_size=8, expand=2, conv_kernel=4, chunk_size=8)),
     "bamba": lambda: tf.BambaConfig(**_common(num_hidden_layers=3, attn_layer_indices=[1], **_mamba2_hybrid())),
