@@ -20,7 +20,8 @@ exp(+100s) and give inf/NaN).
 Exponentials are O(L·X) for the whole map: the per-token decays ``a_k = exp(A·delta_k)`` ≤ 1 give, by products
 of at most ``leaf`` factors, every query/key relative to its own leaf (``exp(A(S_i − S_{leafstart−1}))``,
 ``exp(A(S_{leafend} − S_j))``) and the pairs inside a leaf; each level then multiplies them by one per-leaf
-factor ``exp(A·Σ delta over the leaves in between)`` ≤ 1, whose sums are float64. No long fp32 cumsum or
+factor ``exp(A·Σ delta over the leaves in between)`` ≤ 1, whose sums are differences of one float64 prefix sum
+over leaves (all levels' factors of a channel chunk come from one exp). No long fp32 cumsum or
 difference of cumsums is formed, so long fp32 sequences stay accurate (≤ 1e-5 relative at L = 2048).
 
 The conv folds into the keys: output column s collects S6 columns j = s..s+K−1, so each leaf's keys are conv'd
@@ -48,7 +49,7 @@ from torch import Tensor
 from .naive import validate_inputs
 
 LEAF = 8  # tokens per leaf (per-channel scan inside); raised to K − 1 when the conv is longer
-_WORKING_ELEMENTS = 1 << 19  # elements of one (B, L, chunk·N) working tensor: keeps a chunk's work in cache
+_WORKING_ELEMENTS = 1 << 20  # elements of one (B, L, chunk·N) working tensor (L = 1024, N = 16: 64 channels)
 _CHANNEL_BLOCK_ELEMENTS = 1 << 24  # per-channel accumulator (B, chunk, L, L + leaf) of reduce=None / "abs_mean"
 _ROWS_PER_BLOCK = 16  # query rows per block of the direct rows path
 # The direct rows path costs ~ Σ_blocks rows × columns; above this many full-length rows the full map is cheaper
@@ -215,10 +216,41 @@ class _Blocked:
         col_scale = delta if col_weight is None else delta * col_weight  # column j of α_c·diag(col): delta_j col_j
         self.col_scale = _pad_tokens(col_scale, pad).view(*shape, self.channels)
         self.conv = conv_weight
-        self.leaf_total = self.delta.double().sum(2)  # (B, n_leaves, D): Σ delta over each leaf, float64
+        # prefix[:, ℓ] = Σ delta over leaves [0, ℓ), float64 (monotone, so differences are ≥ 0): (B, n_leaves+1, D)
+        leaf_total = self.delta.double().sum(2)
+        self.prefix = torch.cat([leaf_total.new_zeros(self.batch, 1, self.channels), leaf_total.cumsum(1)], 1)
         self.spill = 1 if self.taps_k > 1 else 0  # key cells per block beyond its own leaves (conv spill)
         self.buf_width = self.padded + self.spill * self.leaf  # accumulator column = output column + K − 1
         self.plan = _level_plan(self.n_leaves)
+        self._plan_factor_index()
+
+    def _plan_factor_index(self):
+        """Prefix indices of every level's per-leaf factors, so one exp per chunk gives them all.
+
+        Query leaf ℓ of a block whose query leaves start at q0 gets Σ delta over leaves [q0, ℓ); key leaf ℓ of a block
+        whose key leaves end at q0 gets Σ delta over leaves (ℓ, q0). Factors of batch i are rows
+        [offsets[i], + n·(n_query + n_key)) of :meth:`_level_factors`: the queries' (n, n_query), then the keys'.
+        """
+        upper, lower, self.factor_offsets = [], [], []
+        for batch in self.plan:
+            self.factor_offsets.append(len(upper))
+            for b in range(batch.n_blocks):
+                q0 = batch.q_start + b * batch.step
+                upper += range(q0, q0 + batch.n_query)
+                lower += [q0] * batch.n_query
+            for b in range(batch.n_blocks):
+                q0 = batch.q_start + b * batch.step
+                upper += [q0] * batch.n_key
+                lower += range(q0 - batch.n_key + 1, q0 + 1)
+        device = self.prefix.device
+        self.factor_upper = torch.tensor(upper, dtype=torch.long, device=device)
+        self.factor_lower = torch.tensor(lower, dtype=torch.long, device=device)
+
+    def _level_factors(self, c0: int, c1: int) -> Tensor:
+        """All per-leaf level factors exp(A · Σ delta) ≤ 1 of channels [c0, c1): (B, rows, chunk·N)."""
+        prefix = self.prefix[..., c0:c1]
+        sums = prefix.index_select(1, self.factor_upper) - prefix.index_select(1, self.factor_lower)
+        return _decay(sums, self.A[c0:c1], self.dtype).flatten(2)
 
     # -- per chunk pieces ------------------------------------------------------------------------------------------
 
@@ -242,34 +274,33 @@ class _Blocked:
             torch.mul(self.row[..., c0:c1, None], self.C, out=queries)
         keys = ws.get("keys", shape)
         torch.mul(self.col_scale[..., c0:c1, None], self.B, out=keys)
-        leaf_maps = self._leaf_maps(decay, queries, keys, ws)
-        suffix = ws.get("suffix", shape)  # Π_{k=j+1..leafend} a_k
-        suffix[:, :, leaf - 1].fill_(1)
-        for t in range(leaf - 2, -1, -1):
-            torch.mul(suffix[:, :, t + 1], decay[:, :, t + 1], out=suffix[:, :, t])
-        keys.mul_(suffix)
+        keys, leaf_maps = self._leaf_maps(decay, queries, keys, ws)  # keys · Π_{k=j+1..leafend} a_k
         queries.mul_(decay.cumprod_(2))  # Π_{k=leafstart..i} a_k
         if self.conv is not None:
             keys = _fold_conv(keys, self.conv[c0:c1].T[:, :, None], 2,
                               out=ws.get("slab", (self.batch, self.n_leaves, leaf + self.taps_k - 1) + shape[3:]))
         return queries.flatten(3), keys.flatten(3), leaf_maps
 
-    def _leaf_maps(self, decay: Tensor, queries: Tensor, keys: Tensor, ws: _Workspace) -> Tensor:
-        """Diagonal leaf blocks per channel by the scan inside each leaf, before the conv: (B, nl, leaf, leaf, c).
+    def _leaf_maps(self, decay: Tensor, queries: Tensor, keys: Tensor, ws: _Workspace):
+        """Diagonal leaf blocks per channel by the scan inside each leaf, before the conv: (B, nl, leaf, leaf, c),
+        and the keys relative to their leaf's end, keys_j · Π_{k=j+1..leafend} a_k: (B, nl, leaf, c, N).
 
-        α'_c[t, t−d] = Σ_n q_t[c, n] · Y_d[t][c, n] with Y_0 = keys and Y_d[t] = a_t · Y_{d−1}[t−1].
+        α'_c[t, t−d] = Σ_n q_t[c, n] · Y_d[t][c, n] with Y_0 = keys and Y_d[t] = a_t · Y_{d−1}[t−1]; the last
+        entry of Y_d is the relative key of j = leaf − 1 − d.
         """
         leaf, (batch, n_leaves, _, channels, state) = self.leaf, queries.shape
         maps = ws.get("leaf_maps", (batch, n_leaves, leaf, leaf, channels)).zero_()
+        relative = ws.get("relative_keys", keys.shape)
         carried = keys
         for d in range(leaf):
             shape = (batch, n_leaves, leaf - d, channels, state)
             if d:  # two buffers in turn: Y_d is read from the other one
                 carried = torch.mul(decay[:, :, d:], carried[:, :, :leaf - d], out=ws.get(f"carried{d % 2}", shape))
+            relative[:, :, leaf - 1 - d].copy_(carried[:, :, leaf - 1 - d])
             product = torch.mul(queries[:, :, d:], carried, out=ws.get("product", shape))
             diagonal = torch.diagonal(maps, -d, 2, 3)  # (B, nl, c, leaf − d): maps[:, :, t, t − d]
             diagonal.copy_(product.sum(-1).transpose(2, 3))
-        return maps
+        return relative, maps
 
     def _leaf_maps_channel_sum(self, maps: Tensor, c0: int, c1: int) -> Tensor:
         """Σ_c of the conv'd leaf maps: (B, nl, leaf, leaf, c) -> (B, nl, leaf, leaf+K−1), one GEMM over (j, c)."""
@@ -283,22 +314,19 @@ class _Blocked:
         flat = maps.reshape(-1, leaf * (c1 - c0)) @ band.transpose(0, 1).reshape(leaf * (c1 - c0), -1)
         return flat.view(self.batch, self.n_leaves, leaf, leaf + taps_k - 1)
 
-    def _block_operands(self, batch: _BlockBatch, queries: Tensor, keys: Tensor, c0: int, c1: int, ws: _Workspace):
-        """Queries (B·nb, n_query·leaf, X) and keys (B·nb, (n_key + spill)·leaf, X) of one batch of quadrants.
+    def _block_operands(self, index: int, queries: Tensor, keys: Tensor, factors: Tensor, ws: _Workspace):
+        """Queries (B·nb, n_query·leaf, X) and keys (B·nb, (n_key + spill)·leaf, X) of block batch ``index``.
 
         Query leaf ℓ is scaled by exp(A · Σ delta over the query leaves before ℓ), key leaf ℓ by
-        exp(A · Σ delta over the key leaves after ℓ): with the leaf-relative factors this is exp(A (S_i − S_r)) and
-        exp(A (S_r − S_j)) for r the last key token. The sums are float64, both factors ≤ 1.
+        exp(A · Σ delta over the key leaves after ℓ) (``factors``, from :meth:`_level_factors`): with the
+        leaf-relative factors this is exp(A (S_i − S_r)) and exp(A (S_r − S_j)) for r the last key token. The sums
+        are float64, both factors ≤ 1.
         """
-        leaf, a = self.leaf, self.A[c0:c1]
+        batch, offset, leaf = self.plan[index], self.factor_offsets[index], self.leaf
         n, step, nq, nk = batch.n_blocks, batch.step, batch.n_query, batch.n_key
-        totals = self.leaf_total[..., c0:c1]
-        q_tot = _leaf_view(totals, batch.q_start, n, step, nq)
-        k_tot = _leaf_view(totals, batch.k_start, n, step, nk)
-        q_factor = _decay(q_tot.cumsum(2) - q_tot, a, self.dtype).flatten(3)[:, :, :, None]  # (B, nb, nq, 1, X)
-        k_cumsum = k_tot.cumsum(2)
-        k_factor = _decay(k_cumsum[:, :, -1:] - k_cumsum, a, self.dtype).flatten(3)[:, :, :, None]
-        width = queries.shape[-1]
+        width = factors.shape[-1]
+        q_factor = factors[:, offset:offset + n * nq].view(self.batch, n, nq, 1, width)
+        k_factor = factors[:, offset + n * nq:offset + n * (nq + nk)].view(self.batch, n, nk, 1, width)
         level_q = ws.get("level_q", (self.batch, n, nq, leaf, width))
         torch.mul(_leaf_view(queries, batch.q_start, n, step, nq), q_factor, out=level_q)
         key_leaves = _leaf_view(keys, batch.k_start, n, step, nk)
@@ -340,8 +368,9 @@ class _Blocked:
         for c0, c1 in self._chunks():
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
             leaf_acc += self._leaf_maps_channel_sum(leaf_maps, c0, c1)
-            for index, batch in enumerate(self.plan):
-                level_q, level_k = self._block_operands(batch, queries, keys, c0, c1, ws)
+            factors = self._level_factors(c0, c1)
+            for index in range(len(self.plan)):
+                level_q, level_k = self._block_operands(index, queries, keys, factors, ws)
                 if block_acc[index] is None:
                     block_acc[index] = torch.bmm(level_q, level_k.mT)
                 else:
@@ -372,8 +401,9 @@ class _Blocked:
             taps = None if self.conv is None else self.conv[c0:c1].T
             leaf_maps = _fold_conv(leaf_maps, taps, dim=3).permute(0, 4, 1, 2, 3)  # (B, c, nl, leaf, leaf+K−1)
             _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, leaf_maps.shape[-1]).copy_(leaf_maps)
-            for batch in self.plan:
-                level_q, level_k = self._block_operands(batch, queries, keys, c0, c1, ws)
+            factors = self._level_factors(c0, c1)
+            for index, batch in enumerate(self.plan):
+                level_q, level_k = self._block_operands(index, queries, keys, factors, ws)
                 n_rows, n_cols = level_q.shape[1], level_k.shape[1]
                 level_q = level_q.view(self.batch, batch.n_blocks, n_rows, c1 - c0, self.state)
                 level_k = level_k.view(self.batch, batch.n_blocks, n_cols, c1 - c0, self.state)
