@@ -60,7 +60,11 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     kept = families.parse_components(components, formulation)
     decoder_layers, mixers = families.locate(model)
     if layers is not None:
-        layers = sorted({int(i) % len(decoder_layers) for i in (layers if isinstance(layers, Iterable) else [layers])})
+        count = len(decoder_layers)
+        layers = [int(i) for i in (layers if isinstance(layers, Iterable) else [layers])]
+        if any(not -count <= i < count for i in layers):
+            raise IndexError(f"mamba_captum: layers={layers} out of range for a model with {count} decoder layers.")
+        layers = sorted({i % count for i in layers})
     if input_ids is not None:
         forward_kwargs["input_ids"] = input_ids
     if attention_mask is not None:

@@ -137,6 +137,8 @@ def test_bad_arguments_are_clear_errors():
         mc.implicit_attention(model, ids, formulation="hidden", components=["s6"])
     with pytest.raises(IndexError, match="out of range"):
         mc.implicit_attention(model, ids, rows=[5])
+    with pytest.raises(IndexError, match="2 decoder layers"):
+        mc.implicit_attention(model, ids, layers=[2])
 
 
 def test_hooks_removed_when_the_forward_raises():
