@@ -162,8 +162,10 @@ def test_blocked_leaf_sizes_and_long_convs(monkeypatch, leaf, taps):
         assert rel_err(out, ref) <= 1e-12
 
 
-def test_blocked_channel_chunks(monkeypatch):
-    monkeypatch.setattr(blocked_module, "_WORKING_ELEMENTS", 1)  # one channel per chunk
+@pytest.mark.parametrize("chunk", [1, 2])
+def test_blocked_channel_chunks(monkeypatch, chunk):
+    # One channel per chunk, or two: 5 channels then end in a smaller chunk (buffers of another shape).
+    monkeypatch.setattr(blocked_module, "_WORKING_ELEMENTS", 2 * 40 * 3 * chunk)  # B · padded L · N · chunk
     monkeypatch.setattr(blocked_module, "_CHANNEL_BLOCK_ELEMENTS", 1)
     delta, A, B, C, weights = make_inputs(batch=2, length=40, channels=5, state=3, seed=11)
     for reduce in REDUCES:

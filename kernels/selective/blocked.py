@@ -184,13 +184,21 @@ class _Workspace:
     """Named flat buffers reused across chunks and levels (fresh MB-sized tensors cost page faults on CPU)."""
 
     def __init__(self, like: Tensor):
-        self.like, self.buffers = like, {}
+        self.like, self.buffers, self.zeroed = like, {}, {}
 
     def get(self, name: str, shape) -> Tensor:
         numel = math.prod(shape)
         if name not in self.buffers or self.buffers[name].numel() < numel:
             self.buffers[name] = self.like.new_empty(numel)
         return self.buffers[name][:numel].view(shape)
+
+    def zeros(self, name: str, shape) -> Tensor:
+        """A buffer zeroed when first made for (name, shape), then reused as is: callers must leave zero the part
+        they rely on being zero."""
+        key = (name, tuple(shape))
+        if key not in self.zeroed:
+            self.zeroed[key] = self.like.new_zeros(shape)
+        return self.zeroed[key]
 
 
 class _Blocked:
@@ -208,49 +216,54 @@ class _Blocked:
         pad = self.padded - self.length
         shape = (self.batch, self.n_leaves, self.leaf)
         # Padding has delta = B = C = 0, so padded rows and columns are zero and do not disturb the sums.
-        self.A = A
-        self.C = _pad_tokens(C, pad).view(*shape, 1, self.state)
-        self.B = _pad_tokens(B, pad).view(*shape, 1, self.state)
+        self.A_t = A.T.contiguous()  # (N, D): operands are laid out (..., N, c), X = flattened (n, c)
+        self.C = _pad_tokens(C, pad).view(*shape, self.state, 1)
+        self.B = _pad_tokens(B, pad).view(*shape, self.state, 1)
         self.delta = _pad_tokens(delta, pad).view(*shape, self.channels)
         self.row = None if row_weight is None else _pad_tokens(row_weight, pad).view(*shape, self.channels)
-        col_scale = delta if col_weight is None else delta * col_weight  # column j of α_c·diag(col): delta_j col_j
-        self.col_scale = _pad_tokens(col_scale, pad).view(*shape, self.channels)
+        # column j of α_c·diag(col) carries delta_j col_j (formed per chunk: a full-size product costs page faults)
+        self.col = None if col_weight is None else _pad_tokens(col_weight, pad).view(*shape, self.channels)
         self.conv = conv_weight
+        self.conv_taps = None if conv_weight is None else conv_weight.T.contiguous()  # (K, D): unit-stride taps
         # prefix[:, ℓ] = Σ delta over leaves [0, ℓ), float64 (monotone, so differences are ≥ 0): (B, n_leaves+1, D)
-        leaf_total = self.delta.double().sum(2)
-        self.prefix = torch.cat([leaf_total.new_zeros(self.batch, 1, self.channels), leaf_total.cumsum(1)], 1)
+        self.prefix = self.delta.new_zeros((self.batch, self.n_leaves + 1, self.channels), dtype=torch.float64)
+        totals = self.prefix[:, 1:]
+        totals.copy_(self.delta[:, :, 0])
+        for t in range(1, self.leaf):  # (no float64 copy of the whole of delta)
+            totals.add_(self.delta[:, :, t])
+        totals.cumsum_(1)
         self.spill = 1 if self.taps_k > 1 else 0  # key cells per block beyond its own leaves (conv spill)
         self.buf_width = self.padded + self.spill * self.leaf  # accumulator column = output column + K − 1
         self.plan = _level_plan(self.n_leaves)
-        self._plan_factor_index()
+        self._plan_factor_sums()
 
-    def _plan_factor_index(self):
-        """Prefix indices of every level's per-leaf factors, so one exp per chunk gives them all.
+    def _plan_factor_sums(self):
+        """Σ delta of every level's per-leaf factors, all channels (B, rows, D), so one exp per chunk gives them all.
 
         Query leaf ℓ of a block whose query leaves start at q0 gets Σ delta over leaves [q0, ℓ); key leaf ℓ of a block
-        whose key leaves end at q0 gets Σ delta over leaves (ℓ, q0). Factors of batch i are rows
-        [offsets[i], + n·(n_query + n_key)) of :meth:`_level_factors`: the queries' (n, n_query), then the keys'.
+        whose key leaves end at q0 gets Σ delta over leaves (ℓ, q0): differences of the float64 prefix, rounded to
+        the dtype. Factors of batch i are rows [offsets[i], + n·(n_query + n_key)): the queries' (n, n_query), then
+        the keys'. Batches of one query and one key leaf have both factors exp(0) = 1: no rows, offset None.
         """
-        upper, lower, self.factor_offsets = [], [], []
+        self.factor_offsets, rows = [], 0
         for batch in self.plan:
-            self.factor_offsets.append(len(upper))
-            for b in range(batch.n_blocks):
-                q0 = batch.q_start + b * batch.step
-                upper += range(q0, q0 + batch.n_query)
-                lower += [q0] * batch.n_query
-            for b in range(batch.n_blocks):
-                q0 = batch.q_start + b * batch.step
-                upper += [q0] * batch.n_key
-                lower += range(q0 - batch.n_key + 1, q0 + 1)
-        device = self.prefix.device
-        self.factor_upper = torch.tensor(upper, dtype=torch.long, device=device)
-        self.factor_lower = torch.tensor(lower, dtype=torch.long, device=device)
+            single = batch.n_query == batch.n_key == 1
+            self.factor_offsets.append(None if single else rows)
+            rows += 0 if single else batch.n_blocks * (batch.n_query + batch.n_key)
+        self.factor_sums = sums = self.delta.new_empty(self.batch, rows, self.channels)
+        for batch, offset in zip(self.plan, self.factor_offsets):
+            if offset is None:
+                continue
+            n, nq, nk = batch.n_blocks, batch.n_query, batch.n_key
+            q0 = _leaf_view(self.prefix, batch.q_start, n, batch.step, 1)  # (B, n, 1, D)
+            torch.sub(_leaf_view(self.prefix, batch.q_start, n, batch.step, nq), q0,
+                      out=sums[:, offset:offset + n * nq].view(self.batch, n, nq, self.channels))
+            torch.sub(q0, _leaf_view(self.prefix, batch.k_start + 1, n, batch.step, nk),
+                      out=sums[:, offset + n * nq:offset + n * (nq + nk)].view(self.batch, n, nk, self.channels))
 
     def _level_factors(self, c0: int, c1: int) -> Tensor:
-        """All per-leaf level factors exp(A · Σ delta) ≤ 1 of channels [c0, c1): (B, rows, chunk·N)."""
-        prefix = self.prefix[..., c0:c1]
-        sums = prefix.index_select(1, self.factor_upper) - prefix.index_select(1, self.factor_lower)
-        return _decay(sums, self.A[c0:c1], self.dtype).flatten(2)
+        """All per-leaf level factors exp(A · Σ delta) ≤ 1 of channels [c0, c1): (B, rows, X), X = (N, chunk)."""
+        return _exp_(self.factor_sums[..., None, c0:c1] * self.A_t[:, c0:c1]).flatten(2)
 
     # -- per chunk pieces ------------------------------------------------------------------------------------------
 
@@ -260,83 +273,101 @@ class _Blocked:
         Returns queries (B, nl, leaf, X) = row_i C_i Π_{k=leafstart..i} a_k, keys (B, nl, leaf+K−1, X) =
         conv of Π_{k=j+1..leafend} a_k · delta_j col_j B_j within the leaf, and the diagonal leaf blocks per channel
         before the conv (B, nl, leaf, leaf, c), where a_k = exp(A delta_k) ≤ 1 (products of ≤ leaf factors:
-        accurate and stable).
+        accurate and stable). X is the flattened (n, c) axis (channels innermost).
         """
         leaf = self.leaf
-        shape = (self.batch, self.n_leaves, leaf, c1 - c0, self.state)
+        shape = (self.batch, self.n_leaves, leaf, self.state, c1 - c0)
         decay = ws.get("decay", shape)
-        torch.mul(self.delta[..., c0:c1, None], self.A[c0:c1], out=decay)
+        torch.mul(self.delta[..., None, c0:c1], self.A_t[:, c0:c1], out=decay)
         _exp_(decay)  # a_k
         queries = ws.get("queries", shape)
         if self.row is None:
             queries.copy_(self.C.expand(shape))
         else:
-            torch.mul(self.row[..., c0:c1, None], self.C, out=queries)
+            torch.mul(self.row[..., None, c0:c1], self.C, out=queries)
         keys = ws.get("keys", shape)
-        torch.mul(self.col_scale[..., c0:c1, None], self.B, out=keys)
+        col_scale = self.delta[..., None, c0:c1]
+        if self.col is not None:
+            col_scale = torch.mul(col_scale, self.col[..., None, c0:c1], out=ws.get("col_scale", col_scale.shape))
+        torch.mul(col_scale, self.B, out=keys)
         keys, leaf_maps = self._leaf_maps(decay, queries, keys, ws)  # keys · Π_{k=j+1..leafend} a_k
-        queries.mul_(decay.cumprod_(2))  # Π_{k=leafstart..i} a_k
+        for t in range(1, leaf):  # decay[t] = Π_{k=leafstart..t} a_k (cheaper than cumprod_ along a strided axis)
+            decay[:, :, t].mul_(decay[:, :, t - 1])
+        queries.mul_(decay)
         if self.conv is not None:
-            keys = _fold_conv(keys, self.conv[c0:c1].T[:, :, None], 2,
+            keys = _fold_conv(keys, self.conv_taps[:, c0:c1], 2,
                               out=ws.get("slab", (self.batch, self.n_leaves, leaf + self.taps_k - 1) + shape[3:]))
         return queries.flatten(3), keys.flatten(3), leaf_maps
 
     def _leaf_maps(self, decay: Tensor, queries: Tensor, keys: Tensor, ws: _Workspace):
         """Diagonal leaf blocks per channel by the scan inside each leaf, before the conv: (B, nl, leaf, leaf, c),
-        and the keys relative to their leaf's end, keys_j · Π_{k=j+1..leafend} a_k: (B, nl, leaf, c, N).
+        and the keys relative to their leaf's end, keys_j · Π_{k=j+1..leafend} a_k: (B, nl, leaf, N, c), computed
+        in place in ``keys``.
 
-        α'_c[t, t−d] = Σ_n q_t[c, n] · Y_d[t][c, n] with Y_0 = keys and Y_d[t] = a_t · Y_{d−1}[t−1]; the last
-        entry of Y_d is the relative key of j = leaf − 1 − d.
+        α'_c[j + d, j] = Σ_n q_{j+d}[n, c] · Z_d[j][n, c] with Z_0 = keys and Z_d[j] = a_{j+d} · Z_{d−1}[j]
+        (j < leaf − d); step d leaves Z[leaf − 1 − d] final, so the end result is the relative keys. The sum over n
+        runs across contiguous channel rows.
         """
-        leaf, (batch, n_leaves, _, channels, state) = self.leaf, queries.shape
-        maps = ws.get("leaf_maps", (batch, n_leaves, leaf, leaf, channels)).zero_()
-        relative = ws.get("relative_keys", keys.shape)
-        carried = keys
+        leaf, (batch, n_leaves, _, state, channels) = self.leaf, queries.shape
+        maps = ws.zeros("leaf_maps", (batch, n_leaves, leaf, leaf, channels))  # only j ≤ t is ever written
+        products = ws.get("product", keys.shape)
         for d in range(leaf):
-            shape = (batch, n_leaves, leaf - d, channels, state)
-            if d:  # two buffers in turn: Y_d is read from the other one
-                carried = torch.mul(decay[:, :, d:], carried[:, :, :leaf - d], out=ws.get(f"carried{d % 2}", shape))
-            relative[:, :, leaf - 1 - d].copy_(carried[:, :, leaf - 1 - d])
-            product = torch.mul(queries[:, :, d:], carried, out=ws.get("product", shape))
-            diagonal = torch.diagonal(maps, -d, 2, 3)  # (B, nl, c, leaf − d): maps[:, :, t, t − d]
-            diagonal.copy_(product.sum(-1).transpose(2, 3))
-        return relative, maps
+            carried = keys.narrow(2, 0, leaf - d)
+            if d:
+                carried.mul_(decay.narrow(2, d, leaf - d))
+            product = torch.mul(queries.narrow(2, d, leaf - d), carried, out=products.narrow(2, 0, leaf - d))
+            diagonal = maps.diagonal(-d, 2, 3).transpose(2, 3)  # (B, nl, leaf − d, c): maps[:, :, j + d, j]
+            torch.sum(product, -2, out=diagonal)
+        return keys, maps
 
-    def _leaf_maps_channel_sum(self, maps: Tensor, c0: int, c1: int) -> Tensor:
-        """Σ_c of the conv'd leaf maps: (B, nl, leaf, leaf, c) -> (B, nl, leaf, leaf+K−1), one GEMM over (j, c)."""
-        if self.conv is None:
-            return maps.sum(-1)
+    def _leaf_band(self) -> Tensor:
+        """The conv of the leaf maps as one matrix per channel: (leaf, D, width), width = leaf + K − 1 rounded up
+        to a multiple of 8 (narrow GEMMs of other widths run several times slower in MKL).
+
+        Leaf column j feeds entry u (output column leafstart − (K−1) + u) with tap w[c, u − j], 0 ≤ u − j < K;
+        entries u ≥ leaf + K − 1 are zero. So Σ_c of the conv'd leaf maps is one GEMM over (j, c).
+        """
         leaf, taps_k = self.leaf, self.taps_k
-        # Leaf column j feeds entry u (output column leafstart − (K−1) + u) with tap w[c, u − j], 0 ≤ u − j < K.
-        index = torch.arange(leaf + taps_k - 1, device=maps.device)
-        lag = index[None, :] - index[:leaf, None]  # (leaf, leaf+K−1)
-        band = self.conv[c0:c1][:, lag.clamp(0, taps_k - 1)] * ((lag >= 0) & (lag < taps_k))  # (c, leaf, leaf+K−1)
-        flat = maps.reshape(-1, leaf * (c1 - c0)) @ band.transpose(0, 1).reshape(leaf * (c1 - c0), -1)
-        return flat.view(self.batch, self.n_leaves, leaf, leaf + taps_k - 1)
+        weight = self.delta.new_ones(self.channels, 1) if self.conv is None else self.conv
+        width = -(-(leaf + taps_k - 1) // 8) * 8
+        lag = torch.arange(width, device=weight.device)[None, :] - torch.arange(leaf, device=weight.device)[:, None]
+        band = weight[:, lag.clamp(0, taps_k - 1)] * ((lag >= 0) & (lag < taps_k))  # (D, leaf, width)
+        return band.transpose(0, 1).contiguous()
 
     def _block_operands(self, index: int, queries: Tensor, keys: Tensor, factors: Tensor, ws: _Workspace):
-        """Queries (B·nb, n_query·leaf, X) and keys (B·nb, (n_key + spill)·leaf, X) of block batch ``index``.
+        """Queries (B·nb, n_query·leaf, X) and keys (B·nb, n_cols, X) of block batch ``index``.
 
         Query leaf ℓ is scaled by exp(A · Σ delta over the query leaves before ℓ), key leaf ℓ by
         exp(A · Σ delta over the key leaves after ℓ) (``factors``, from :meth:`_level_factors`): with the
         leaf-relative factors this is exp(A (S_i − S_r)) and exp(A (S_r − S_j)) for r the last key token. The sums
-        are float64, both factors ≤ 1.
+        are float64, both factors ≤ 1. Key column u of the block is output column k_start·leaf − (K−1) + u; key
+        leaf ℓ's leaf + K − 1 conv'd columns start at its own first column, overlapping the next leaf's by K − 1.
+        With one query and one key leaf both factors are 1 and the operands are views of ``queries``, ``keys``
+        (n_cols = leaf + K − 1); otherwise n_cols = (n_key + spill)·leaf, the columns past the last leaf's K − 1
+        zero (whole cells keep the GEMMs' widths multiples of 8, which MKL runs faster).
         """
         batch, offset, leaf = self.plan[index], self.factor_offsets[index], self.leaf
         n, step, nq, nk = batch.n_blocks, batch.step, batch.n_query, batch.n_key
-        width = factors.shape[-1]
+        width, spill_cols = queries.shape[-1], keys.shape[2] - leaf  # the K − 1 conv columns past a leaf
+        key_leaves = _leaf_view(keys, batch.k_start, n, step, nk)
+        if offset is None:
+            return (_leaf_view(queries, batch.q_start, n, step, 1).reshape(self.batch * n, leaf, width),
+                    key_leaves.reshape(self.batch * n, leaf + spill_cols, width))
+        n_cols = (nk + self.spill) * leaf
         q_factor = factors[:, offset:offset + n * nq].view(self.batch, n, nq, 1, width)
         k_factor = factors[:, offset + n * nq:offset + n * (nq + nk)].view(self.batch, n, nk, 1, width)
         level_q = ws.get("level_q", (self.batch, n, nq, leaf, width))
         torch.mul(_leaf_view(queries, batch.q_start, n, step, nq), q_factor, out=level_q)
-        key_leaves = _leaf_view(keys, batch.k_start, n, step, nk)
-        cells = ws.get("level_k", (self.batch, n, nk + self.spill, leaf, width))
-        torch.mul(key_leaves[:, :, :, :leaf], k_factor, out=cells[:, :, :nk])
-        if self.spill:  # the last K−1 output columns of key leaf ℓ fall into cell ℓ + 1
-            cells[:, :, nk].zero_()
-            cells[:, :, 1:, :self.taps_k - 1].addcmul_(key_leaves[:, :, :, leaf:], k_factor)
-        return (level_q.view(self.batch * n, nq * leaf, width),
-                cells.view(self.batch * n, (nk + self.spill) * leaf, width))
+        cells = ws.get("level_k", (self.batch, n, n_cols, width))
+        main = cells[:, :, :nk * leaf].view(self.batch, n, nk, leaf, width)
+        torch.mul(key_leaves[:, :, :, :leaf], k_factor, out=main)
+        if spill_cols:  # key leaf ℓ's last K − 1 columns overlap leaf ℓ + 1's first ones (the last leaf's: the tail)
+            tail = cells[:, :, nk * leaf:]
+            torch.mul(key_leaves[:, :, nk - 1, leaf:], k_factor[:, :, nk - 1], out=tail[:, :, :spill_cols])
+            tail[:, :, spill_cols:].zero_()
+            if nk > 1:
+                main[:, :, 1:, :spill_cols].addcmul_(key_leaves[:, :, :nk - 1, leaf:], k_factor[:, :, :nk - 1])
+        return level_q.view(self.batch * n, nq * leaf, width), cells.view(self.batch * n, n_cols, width)
 
     def _scatter(self, buf: Tensor, batch: _BlockBatch, n_rows: int, n_cols: int) -> Tensor:
         """The view of accumulator ``buf`` (..., padded, buf_width) where a block batch's results go."""
@@ -361,13 +392,15 @@ class _Blocked:
         return self._channel_maps(reduce)
 
     def _reduced_maps(self, reduce) -> Tensor:
-        """Σ_c (or mean_c) of H_c: GEMMs over the flattened (c, n) axis, accumulated over channel chunks."""
+        """Σ_c (or mean_c) of H_c: GEMMs over the flattened (n, c) axis, accumulated over channel chunks."""
         leaf, ws = self.leaf, _Workspace(self.delta)
-        leaf_acc = self.delta.new_zeros(self.batch, self.n_leaves, leaf, leaf + self.taps_k - 1)
+        band = self._leaf_band()
+        leaf_acc = self.delta.new_zeros(self.batch * self.n_leaves * leaf, band.shape[-1])  # Σ_c conv'd leaf maps
         block_acc = [None] * len(self.plan)  # one contiguous accumulator per block batch: GEMMs with beta = 1
         for c0, c1 in self._chunks():
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
-            leaf_acc += self._leaf_maps_channel_sum(leaf_maps, c0, c1)
+            inner = leaf * (c1 - c0)
+            leaf_acc.addmm_(leaf_maps.view(-1, inner), band[:, c0:c1].reshape(inner, -1))
             factors = self._level_factors(c0, c1)
             for index in range(len(self.plan)):
                 level_q, level_k = self._block_operands(index, queries, keys, factors, ws)
@@ -376,7 +409,9 @@ class _Blocked:
                 else:
                     block_acc[index].baddbmm_(level_q, level_k.mT)
         buf = self.delta.new_zeros(self.batch, self.padded, self.buf_width)
-        _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, leaf_acc.shape[-1]).copy_(leaf_acc)
+        n_cols = leaf + self.taps_k - 1
+        leaf_acc = leaf_acc.view(self.batch, self.n_leaves, leaf, -1)[..., :n_cols]
+        _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, n_cols).copy_(leaf_acc)
         for batch, acc in zip(self.plan, block_acc):
             n_rows, n_cols = acc.shape[-2:]
             self._scatter(buf, batch, n_rows, n_cols).add_(acc.view(self.batch, batch.n_blocks, n_rows, n_cols))
@@ -398,16 +433,16 @@ class _Blocked:
             c1 = min(self.channels, c0 + chunk)
             buf = self.delta.new_zeros(self.batch, c1 - c0, self.padded, self.buf_width)
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
-            taps = None if self.conv is None else self.conv[c0:c1].T
+            taps = None if self.conv is None else self.conv_taps[:, c0:c1]
             leaf_maps = _fold_conv(leaf_maps, taps, dim=3).permute(0, 4, 1, 2, 3)  # (B, c, nl, leaf, leaf+K−1)
             _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, leaf_maps.shape[-1]).copy_(leaf_maps)
             factors = self._level_factors(c0, c1)
             for index, batch in enumerate(self.plan):
                 level_q, level_k = self._block_operands(index, queries, keys, factors, ws)
                 n_rows, n_cols = level_q.shape[1], level_k.shape[1]
-                level_q = level_q.view(self.batch, batch.n_blocks, n_rows, c1 - c0, self.state)
-                level_k = level_k.view(self.batch, batch.n_blocks, n_cols, c1 - c0, self.state)
-                self._scatter(buf, batch, n_rows, n_cols).add_(torch.einsum("bxicn,bxjcn->bcxij", level_q, level_k))
+                level_q = level_q.reshape(self.batch, batch.n_blocks, n_rows, self.state, c1 - c0)
+                level_k = level_k.reshape(self.batch, batch.n_blocks, n_cols, self.state, c1 - c0)
+                self._scatter(buf, batch, n_rows, n_cols).add_(torch.einsum("bxinc,bxjnc->bcxij", level_q, level_k))
             if reduce is None:
                 out[:, c0:c1] = self._crop(buf)
             else:
