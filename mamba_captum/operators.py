@@ -28,6 +28,9 @@ def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torc
 def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
     """Per-channel maps without the S6 part (the "w/o S6" ablation): H_c = diag(row_c · col_c) · M_c.
 
+    Only the conv band (K diagonals) is non-zero, so reduced maps are reduced band by band, without a per-channel
+    (D, L, L) stack.
+
     Args:
         row_weight, col_weight: (B, L, D).  conv_weight: (D, K) or None (identity).
     Returns:
@@ -36,14 +39,18 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
     diag = row_weight * col_weight  # (B, L, D)
     batch, length, channels = diag.shape
     taps = conv_weight.flip(-1) if conv_weight is not None else diag.new_ones(channels, 1)  # taps[c, τ] = w[c, K-1-τ]
-    maps = diag.new_zeros(batch, channels, length, length)
+    bands = diag[:, :, :, None] * taps  # (B, L, D, K): H_c[i, i - τ]
+    if reduce is not None:
+        bands = reduce_channels(bands.permute(0, 2, 1, 3), reduce)[:, None]  # (B, 1, L, K)
+    else:
+        bands = bands.permute(0, 2, 1, 3)  # (B, D, L, K)
+    maps = diag.new_zeros(*bands.shape[:2], length, length)
     index = torch.arange(length, device=diag.device)
     for tau in range(min(taps.shape[1], length)):
-        i = index[tau:]
-        maps[:, :, i, i - tau] = (diag[:, tau:] * taps[:, tau]).transpose(1, 2)
+        maps[:, :, index[tau:], index[tau:] - tau] = bands[:, :, tau:, tau]
     if rows is not None:
         maps = maps[:, :, rows]
-    return reduce_channels(maps, reduce)
+    return maps if reduce is None else maps[:, 0]
 
 
 class _CastMixin:

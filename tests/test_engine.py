@@ -255,3 +255,20 @@ def test_no_grad_state_and_grad_mode_preserved():
     with torch.enable_grad():
         mc.implicit_attention(model, torch.randint(3, VOCAB, (1, 4)))
         assert torch.is_grad_enabled()
+
+
+def test_banded_maps_without_s6_equal_the_toeplitz_operator_and_reduce_exactly():
+    from mamba_captum.operators import banded_maps
+
+    row, col, taps = torch.randn(2, 7, 5), torch.randn(2, 7, 5), torch.randn(5, 4)
+    toeplitz = torch.zeros(5, 7, 7)  # M_c[t, s] = w_c[K-1-(t-s)]
+    for t in range(7):
+        for s in range(max(0, t - 3), t + 1):
+            toeplitz[:, t, s] = taps[:, 3 - (t - s)]
+    full = banded_maps(row, col, taps, reduce=None)
+    assert torch.allclose(full, (row * col).transpose(1, 2)[..., None] * toeplitz)
+    for reduce, fn in (("mean", lambda t: t.mean(1)), ("sum", lambda t: t.sum(1)),
+                       ("abs_mean", lambda t: t.abs().mean(1))):
+        assert torch.allclose(banded_maps(row, col, taps, reduce=reduce), fn(full), atol=1e-6)
+        assert torch.allclose(banded_maps(row, col, taps, torch.tensor([6, 0]), reduce), fn(full)[:, [6, 0]],
+                              atol=1e-6)
