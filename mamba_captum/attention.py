@@ -8,7 +8,7 @@ import torch
 from . import families
 from .capture import LayerCapture
 from .families import softmax
-from .operators import REDUCTIONS, SumOperator
+from .operators import REDUCTIONS, SumOperator, operator_output_grad
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype.
@@ -75,8 +75,18 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     return capture.trace, output, decoder_layers, kept
 
 
+def _operator_grads(operator, call):
+    """Per target, the gradient with respect to the operator's output (None when the call carries no gradients)."""
+    if call.output_grads is None:
+        return None
+    return [operator_output_grad(operator, grad) for grad in call.output_grads]
+
+
 def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
-    """Rebuild and check the recorded layers one by one, in execution order: yields (key, operator, error).
+    """Rebuild and check the recorded layers one by one, in execution order: yields (key, operator, error, grads).
+
+    ``grads`` is None unless a gradient method stored ``output_grads`` on the recorded calls; then it lists, per
+    target, the gradient with respect to the operator's output (for a :class:`SumOperator`, one per part).
 
     Rebuilding runs in float64 (the rebuilt pieces feed exponentials and norms, where float32 rounding of the
     recomputation alone reaches 1e-5); each operator is then cast to the maps' dtype: float64 for float64 models,
@@ -95,15 +105,17 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
     for index in sorted(set(attention_calls) | set(mixer_calls)):
         if len(attention_calls.get(index, ())) > 1 or len(mixer_calls.get(index, ())) > 1:
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
-        attention = ssm = None
+        attention = ssm = attention_grads = ssm_grads = None
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            attention_grads = _operator_grads(attention, call)
             attention_error = 0.0  # dropout in training mode cannot be replayed: nothing to compare then
             if not (call.module.training and getattr(call.module, "attention_dropout", 0.0)):
                 attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
                                          token_mask)
         for call in mixer_calls.get(index, ()):
             ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
+            ssm_grads = _operator_grads(ssm, call)
             ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
                                call.output, rebuilt, dtype)
         layer = decoder_layers[index]
@@ -111,13 +123,14 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
             combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
                                                                                attention)])
-            yield index, combined.to(work_dtype), max(ssm_error, attention_error)
+            grads = None if ssm_grads is None else [list(pair) for pair in zip(ssm_grads, attention_grads)]
+            yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
             continue
         if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
             yield (f"{index}.shared_attention" if ssm is not None else index), attention.to(work_dtype), \
-                attention_error
+                attention_error, attention_grads
         if ssm is not None:
-            yield index, ssm.to(work_dtype), ssm_error
+            yield index, ssm.to(work_dtype), ssm_error, ssm_grads
 
 
 def build_operators(model, input_ids=None, attention_mask=None, *, formulation="unified", layers=None,
@@ -137,7 +150,7 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
                                                    components, forward_kwargs)
     operators, errors = {}, {}
     with torch.no_grad():
-        for key, operator, error in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
+        for key, operator, error, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             operators[key], errors[key] = operator, error
     return operators, output, errors
 
@@ -182,5 +195,5 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
                                                   forward_kwargs)
         # Layer by layer: only one layer's operator is alive at a time.
         maps = {key: operator.maps(reduce, selected)
-                for key, operator, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask)}
+                for key, operator, _, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask)}
     return maps

@@ -29,6 +29,7 @@ class MixerCall:
     attention_mask: torch.Tensor | None  # (B, L) 2-D mask the mixer received (None: no padding)
     output: torch.Tensor | None = None  # (B, L, D_model) the mixer's real output
     unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
+    output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
 
 
 @dataclass
@@ -44,6 +45,7 @@ class AttentionCall:
     scaling: float | None
     options: dict[str, Any]  # sliding_window, softcap, is_causal, ...
     output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
+    output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
 
 
 @dataclass
@@ -52,6 +54,16 @@ class Trace:
 
     mixer_calls: list[MixerCall] = field(default_factory=list)
     attention_calls: list[AttentionCall] = field(default_factory=list)
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, L, D_model) stream entering it
+
+    def detach(self):
+        """Drop the autograd graph from everything recorded (after the gradients have been taken)."""
+        for call in self.mixer_calls:
+            call.hidden_states, call.output = call.hidden_states.detach(), call.output.detach()
+        for call in self.attention_calls:
+            call.query, call.key, call.value = call.query.detach(), call.key.detach(), call.value.detach()
+            call.output = call.output.detach()
+        self.residuals = {k: v.detach() for k, v in self.residuals.items()}
 
 
 class LayerCapture(contextlib.AbstractContextManager):
@@ -63,15 +75,19 @@ class LayerCapture(contextlib.AbstractContextManager):
         layers: decoder-layer indices to record, or None for all.
         record_attention: whether to record softmax attention calls.
         detach: store detached tensors (maps need no graph); False keeps the graph for gradient methods.
+        record_residual: also record the residual stream entering each recorded decoder layer. With grad enabled,
+            a stream that carries no graph (frozen embeddings, or inputs without grad) is swapped for a leaf that
+            requires grad (same values), so that gradients with respect to it exist; the weights are not touched.
     """
 
     def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
-                 record_attention: bool = True, detach: bool = True):
+                 record_attention: bool = True, detach: bool = True, record_residual: bool = False):
         self.decoder_layers = decoder_layers
         self.mixers = [m for m in mixers if layers is None or m.layer in layers]
         self.layers = None if layers is None else set(layers)
         self.record_attention = record_attention
         self.detach = detach
+        self.record_residual = record_residual
         self.trace = Trace()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._layer_stack: list[int] = []
@@ -89,8 +105,22 @@ class LayerCapture(contextlib.AbstractContextManager):
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _layer_pre_hook(self, index):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._layer_stack.append(index)
+            if not self.record_residual or (self.layers is not None and index not in self.layers):
+                return None
+            positional = bool(args)
+            hidden = args[0] if positional else kwargs.get("hidden_states")
+            if not torch.is_tensor(hidden):
+                raise RuntimeError(f"mamba_captum: decoder layer {index} received no hidden_states tensor.")
+            if torch.is_grad_enabled() and not hidden.requires_grad:
+                hidden = hidden.detach().requires_grad_(True)
+                if positional:
+                    args = (hidden, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": hidden}
+            self.trace.residuals[index] = self._keep(hidden)
+            return args, kwargs
 
         return hook
 
@@ -150,7 +180,7 @@ class LayerCapture(contextlib.AbstractContextManager):
     def __enter__(self):
         try:
             for index, layer in enumerate(self.decoder_layers):
-                self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(index)))
+                self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(index), with_kwargs=True))
                 self._handles.append(layer.register_forward_hook(self._layer_post_hook))
             for located in self.mixers:
                 module = located.module

@@ -6,9 +6,17 @@ norm scale, or softmax probabilities) rebuilt by a family adapter, and turns the
 
 ``maps(reduce, rows)`` returns (B, L, L) for a reduced map, (B, C, L, L) with ``reduce=None``; with ``rows`` the
 L query rows become R. Rows and columns of padding tokens are zero.
+
+For gradient rules an operator also carries what it acts on and what it produces: ``values`` (its input x),
+``output`` (H x, the part of the layer that comes from tokens) and ``readout`` (output -> the mixer's output,
+float64), so that a gradient of the mixer output becomes a gradient of the operator output
+(:func:`operator_output_grad`), and ``contributions(grad, rows)`` = ``Σ_c g_c[i] · H_c[i, j] · x_c[j]``: the
+channel-summed first-order contribution of token j to the target through row i (rows of it sum to
+``Σ_c g_c[i] · y_c[i]``). ``value_channels`` is the number of channels c in that sum.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -53,10 +61,51 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
     return maps if reduce is None else maps[:, 0]
 
 
+def _tap_contributions(sum_maps, row, col, values, conv_weight, length):
+    """Σ_c g_c[i] · H_c[i, j] · x_c[j] for H_c = diag(row_c) · K_c · diag(col_c) · M_c, with ``sum_maps(row, col)``
+    the channel-summed maps of diag(row) · K · diag(col) (no conv).
+
+    ``M_c diag(x_c)`` is not a column scaling of ``K_c``'s columns, but tap by tap it is: with τ = s − j,
+    ``H_c[i, j] x_c[j] = Σ_τ (row K col)_c[i, j + τ] · w_c[K−1−τ] · x_c[j]``; so each tap τ is one channel-summed map
+    whose column weight is ``col[s] · w[K−1−τ] · x[s − τ]``, shifted left by τ columns. K kernel calls, no (C, L, L)
+    stack. ``values``, ``row``, ``col``: (B, L, *channel dims); ``conv_weight``: (*channel dims, K) or None.
+    """
+    if conv_weight is None:
+        return sum_maps(row, col * values)
+    taps = conv_weight.shape[-1]
+    total = None
+    for tau in range(min(taps, length)):
+        shifted = torch.zeros_like(values)
+        shifted[:, tau:] = values[:, :length - tau]
+        part = sum_maps(row, col * conv_weight[..., taps - 1 - tau] * shifted)  # (B, R, L) over columns s
+        if total is None:
+            total = part.clone()
+        else:
+            total[..., :length - tau] += part[..., tau:]
+    return total
+
+
+def operator_output_grad(operator, grad_output: torch.Tensor) -> torch.Tensor:
+    """The gradient of a target with respect to ``operator.output`` (the operator's own output, e.g. out_proj's
+    input), given its gradient with respect to the mixer output: the vector-Jacobian product of ``readout``.
+
+    Args:
+        grad_output: (B, L, D_model) for SSM mixers; (B, L, H, d) for softmax layers (readout is the identity).
+    Returns:
+        a tensor shaped like ``operator.output``, float64.
+    """
+    with torch.enable_grad():
+        output = operator.output.detach().to(torch.float64).requires_grad_(True)
+        mixed = operator.readout(output)
+        (grad,) = torch.autograd.grad(mixed, output, grad_output.to(mixed.dtype))
+    return grad
+
+
 class _CastMixin:
     def to(self, dtype: torch.dtype):
-        """The same operator with every floating tensor cast to ``dtype`` (maps are computed in that dtype)."""
-        changes = {f.name: getattr(self, f.name).to(dtype) for f in fields(self)
+        """The same operator with every floating tensor cast to ``dtype`` and detached (the conv taps may be a view of
+        the model's weight)."""
+        changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
                    if torch.is_tensor(getattr(self, f.name)) and getattr(self, f.name).is_floating_point()}
         return replace(self, **changes)
 
@@ -74,10 +123,33 @@ class SelectiveOperator(_CastMixin):
     col_weight: torch.Tensor | None = None  # (B, L, D) activation gain σ(conv pre-activation) · mask
     conv_weight: torch.Tensor | None = None  # (D, K) bias-free causal conv taps
     s6: bool = True
+    values: torch.Tensor | None = None  # (B, L, D) what the operator acts on (unified: conv input x; hidden: u)
+    output: torch.Tensor | None = None  # (B, L, D) H x (unified: out_proj input without the D skip; hidden: scan)
+    readout: Callable | None = field(default=None, repr=False)  # output (float64) -> mixer output
 
     @property
     def channels(self) -> int:
         return self.delta.shape[-1]
+
+    @property
+    def value_channels(self) -> int:
+        return self.delta.shape[-1]
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_c grad_c[i] · H_c[i, j] · values_c[j]: (B, L, L), or (B, R, L) with ``rows``. grad: (B, L, D)."""
+        ones = torch.ones_like(self.delta)
+        row = grad.to(self.delta.dtype) * (ones if self.row_weight is None else self.row_weight)
+        col = ones if self.col_weight is None else self.col_weight
+        if self.s6:
+            def sum_maps(r, c):
+                return selective_maps(self.delta, self.A, self.B, self.C, row_weight=r, col_weight=c, rows=rows,
+                                      reduce="sum")
+        else:
+            def sum_maps(r, c):
+                return banded_maps(r, c, None, rows, "sum")
+        out = _tap_contributions(sum_maps, row, col, self.values.to(self.delta.dtype), self.conv_weight,
+                                 self.delta.shape[1])
+        return _mask_rows_cols(out, self.mask, rows)
 
     def maps(self, reduce="mean", rows=None):
         if self.s6:
@@ -104,6 +176,9 @@ class SSDOperator(_CastMixin):
     conv_weight: torch.Tensor | None = None  # (H, P, K)
     head_dim: int = 1
     s6: bool = True
+    values: torch.Tensor | None = None  # (B, L, H, P) unified: x before the conv; hidden: x after it
+    output: torch.Tensor | None = None  # (B, L, H, P) H x (unified: out_proj input without the D skip; hidden: SSD)
+    readout: Callable | None = field(default=None, repr=False)  # output (float64) -> mixer output
 
     @property
     def per_channel(self) -> bool:
@@ -113,6 +188,26 @@ class SSDOperator(_CastMixin):
     def channels(self) -> int:
         heads = self.delta.shape[-1]
         return heads * self.head_dim if self.per_channel else heads
+
+    @property
+    def value_channels(self) -> int:
+        return self.delta.shape[-1] * self.head_dim
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_c grad_c[i] · H_c[i, j] · values_c[j] over the H·P channels: (B, L, L) or (B, R, L). grad: (B, L, H, P)."""
+        values = self.values.to(self.delta.dtype)
+        ones = torch.ones_like(values)
+        row = grad.to(self.delta.dtype) * (ones if self.row_weight is None else self.row_weight)
+        col = ones if self.col_weight is None else self.col_weight
+        if self.s6:
+            def sum_maps(r, c):
+                return ssd_maps(self.delta, self.A, self.B, self.C, row_weight=r, col_weight=c, rows=rows,
+                                reduce="sum")
+        else:
+            def sum_maps(r, c):
+                return banded_maps(r.flatten(2), c.flatten(2), None, rows, "sum")
+        out = _tap_contributions(sum_maps, row, col, values, self.conv_weight, self.delta.shape[1])
+        return _mask_rows_cols(out, self.mask, rows)
 
     def maps(self, reduce="mean", rows=None):
         if self.s6:
@@ -133,10 +228,26 @@ class SoftmaxOperator(_CastMixin):
 
     probs: torch.Tensor
     mask: torch.Tensor | None
+    values: torch.Tensor | None = None  # (B, H, L, d) value states, key/value heads repeated for the query heads
+    output: torch.Tensor | None = None  # (B, L, H, d) P v, the attention interface's output
+    readout: Callable | None = field(default=None, repr=False)  # identity: gradients are taken at that output
 
     @property
     def channels(self) -> int:
         return self.probs.shape[1]
+
+    @property
+    def value_channels(self) -> int:
+        return self.values.shape[1] * self.values.shape[-1]
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_{h,d} grad[i, h, d] · P_h[i, j] · v[j, h, d]: (B, L, L) or (B, R, L). grad: (B, L, H, d)."""
+        grad = grad.to(self.probs.dtype).transpose(1, 2)  # (B, H, L, d)
+        probs = self.probs
+        if rows is not None:
+            grad, probs = grad[:, :, rows], probs[:, :, rows]
+        out = (probs * (grad @ self.values.to(probs.dtype).transpose(-1, -2))).sum(1)
+        return _mask_rows_cols(out, self.mask, rows)
 
     def maps(self, reduce="mean", rows=None):
         probs = self.probs if rows is None else self.probs[:, :, rows]
@@ -158,6 +269,15 @@ class SumOperator:
     @property
     def channels(self) -> int:
         return sum(op.channels for _, op in self.parts)
+
+    @property
+    def value_channels(self) -> int:
+        return sum(op.value_channels for _, op in self.parts)
+
+    def contributions(self, grads, rows=None) -> torch.Tensor:
+        """Sum of the parts' contributions, one operator-output gradient per part (``grads`` in part order). No
+        multipliers: each part's gradient already carries the layer's output multiplier."""
+        return sum(op.contributions(grad, rows) for (_, op), grad in zip(self.parts, grads))
 
     def maps(self, reduce="mean", rows=None):
         outs = [scale * op.maps(reduce, rows) for scale, op in self.parts]

@@ -67,12 +67,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     # The scan only serves the check (the operator does not depend on it): run it in the model's precision.
     check = lambda t: t.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
-    scan = scan + w(mixer.D) * u
-    rebuilt = mixer.out_proj((scan * F.silu(z)).to(hidden.dtype))
+    skip, gate = w(mixer.D) * u, F.silu(z)
+    rebuilt = mixer.out_proj(((scan + skip) * gate).to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
-    if formulation == "hidden":
-        return SelectiveOperator(delta, A, B, C, operator_mask), rebuilt
+    weight = mixer.out_proj.weight.to(torch.float64)
+    bias = None if mixer.out_proj.bias is None else mixer.out_proj.bias.to(torch.float64)
+    if formulation == "hidden":  # the operator's output is the scan; the D skip and the gate come after it
+        readout = lambda y: F.linear((y + skip.double()) * gate.double(), weight, bias)  # noqa: E731
+        return SelectiveOperator(delta, A, B, C, operator_mask, values=u, output=scan, readout=readout), rebuilt
+    readout = lambda y: F.linear(y + (skip * gate).double(), weight, bias)  # noqa: E731 (out_proj, linear)
     col = torch.sigmoid(pre) if "act" in components else None
     if operator_mask is not None:
         col = operator_mask[:, :, None].expand_as(u) if col is None else col * operator_mask[:, :, None]
@@ -82,5 +86,6 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         col_weight=col,
         conv_weight=w(taps) if "conv" in components else None,
         s6="s6" in components,
+        values=w(x), output=scan * gate, readout=readout,
     )
     return operator, rebuilt

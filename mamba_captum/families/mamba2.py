@@ -80,16 +80,31 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     B, C = w(B).view(batch, length, groups, state), w(C).view(batch, length, groups, state)
 
     x_heads = x.view(batch, length, heads, head_dim)
-    y = ssd_scan_reference(x_heads, delta, A, B, C) + w(mixer.D)[:, None] * x_heads
-    y = y.reshape(batch, length, d_inner)
+    ssd = ssd_scan_reference(x_heads, delta, A, B, C)  # (B, L, H, P), the part that comes from tokens
+    skip = w(mixer.D)[:, None] * x_heads
+    y = (ssd + skip).reshape(batch, length, d_inner)
     gate = F.silu(z)
     nu = _norm_scale(mixer, y, gate, call.unfused)
     inner = y * gate if nu is None else nu * gate * y
     rebuilt = mixer.out_proj(inner.to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
-    if formulation == "hidden":
-        return SSDOperator(delta, A, B, C, operator_mask), rebuilt
+    weight = mixer.out_proj.weight.to(torch.float64)
+    bias = None if mixer.out_proj.bias is None else mixer.out_proj.bias.to(torch.float64)
+    gate64, skip64 = gate.double(), skip.double()
+    if formulation == "hidden":  # the operator's output is the SSD scan; skip, gate and norm come after it
+        def readout(out):
+            full = (out + skip64).reshape(batch, length, d_inner)
+            scale = _norm_scale(mixer, full, gate64, call.unfused)
+            return F.linear(full * gate64 * (1.0 if scale is None else scale), weight, bias)
+
+        return SSDOperator(delta, A, B, C, operator_mask, values=x_heads, output=ssd, readout=readout), rebuilt
+    # unified: the operator's output is out_proj's input without the skip's share (ν fixed at its real value)
+    token_scale = gate if nu is None else nu * gate
+    skip_share = (skip.reshape(batch, length, d_inner) * token_scale).double()
+
+    def readout(out):
+        return F.linear(out.reshape(batch, length, d_inner) + skip_share, weight, bias)
 
     def per_head(t):
         return None if t is None else t.reshape(batch, length, heads, head_dim)
@@ -106,5 +121,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if row is None and col is None and taps is None:
         col = torch.ones_like(x)  # keep the per-channel layout of the unified operator
     operator = SSDOperator(delta, A, B, C, operator_mask, row_weight=per_head(row), col_weight=per_head(col),
-                           conv_weight=taps, head_dim=head_dim, s6="s6" in components)
+                           conv_weight=taps, head_dim=head_dim, s6="s6" in components,
+                           values=per_head(w(xbc[..., :d_inner])),
+                           output=per_head(ssd.reshape(batch, length, d_inner) * token_scale), readout=readout)
     return operator, rebuilt

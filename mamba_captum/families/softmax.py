@@ -47,4 +47,5 @@ def rebuild(call, work_dtype: torch.dtype, mask):
     scores = scores + _additive_mask(call, q.shape[2], k.shape[2], work_dtype, q.device)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (pad) rows -> 0
     rebuilt = (probs @ v).transpose(1, 2)
-    return SoftmaxOperator(probs, mask), rebuilt, call.output.to(work_dtype)
+    operator = SoftmaxOperator(probs, mask, values=v, output=rebuilt, readout=lambda out: out)
+    return operator, rebuilt, call.output.to(work_dtype)

@@ -1,0 +1,87 @@
+"""Benchmark: wall time of MambaRawAttention, MambaRollout, MambaAttribution (both gradient rules) and Captum's
+LayerIntegratedGradients (embeddings, n_steps=50) on the same random Mamba model, batch 1, fp32, CPU.
+
+Configs: "130m" (the mamba-130m shape: d_model 768, 24 layers, vocab 50280) and "10m" (d_model 256, 12 layers,
+vocab 16384: ~9.7M parameters). Each (config, L, method) runs in a fresh subprocess with a time budget; a run that
+exceeds it is reported as "> budget" (HF's torch Mamba-1 scan is a Python loop over tokens whose backward grows
+faster than L², so gradient methods on long inputs take minutes).
+
+Run:  python benchmarks/bench_attribution.py [--configs 10m 130m] [--lengths 128 512 1024] [--budget 300]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+METHODS = ("raw", "rollout", "attribution", "attribution_residual", "lig")
+CONFIGS = {
+    "130m": dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=16, expand=2, conv_kernel=4),
+    "10m": dict(hidden_size=256, num_hidden_layers=12, vocab_size=16384, state_size=16, expand=2, conv_kernel=4),
+}
+
+
+def measure(config_name: str, length: int, method: str) -> dict:
+    import torch
+    import transformers as tf
+
+    import mamba_captum as mc
+
+    tf.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = tf.MambaForCausalLM(tf.MambaConfig(**CONFIGS[config_name])).eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, length))
+    target = 7
+    start = time.perf_counter()
+    if method == "raw":
+        mc.MambaRawAttention(model).attribute(ids)
+    elif method == "rollout":
+        mc.MambaRollout(model).attribute(ids)
+    elif method == "attribution":
+        mc.MambaAttribution(model).attribute(ids, target=target)
+    elif method == "attribution_residual":
+        mc.MambaAttribution(model).attribute(ids, target=target, gradient_rule="residual")
+    elif method == "lig":
+        from captum.attr import LayerIntegratedGradients
+
+        lig = LayerIntegratedGradients(lambda x: model(x, use_cache=False).logits[:, -1], model.backbone.embeddings)
+        lig.attribute(ids, target=target, n_steps=50, internal_batch_size=10)
+    seconds = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    return {"config": config_name, "length": length, "method": method, "seconds": seconds, "params": params}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", nargs="+", default=["10m", "130m"])
+    parser.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 1024])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--budget", type=float, default=300.0, help="seconds per measurement")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], int(args.child[1]), args.child[2])))
+        return
+    import torch
+
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, budget {args.budget:.0f} s per run")
+    print("| config | L | method | seconds |")
+    print("|---|---|---|---|")
+    for config in args.configs:
+        for length in args.lengths:
+            for method in args.methods:
+                command = [sys.executable, __file__, "--child", config, str(length), method]
+                try:
+                    done = subprocess.run(command, capture_output=True, text=True, timeout=args.budget, check=True)
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
+                    print(f"| {config} | {length} | {method} | {result['seconds']:.1f} |", flush=True)
+                except subprocess.TimeoutExpired:
+                    print(f"| {config} | {length} | {method} | > {args.budget:.0f} (budget) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""The Captum attribution classes built on the implicit-attention engine (DESIGN.md §1, §4)."""
+from ._base import RECIPES, ImplicitAttentionMethod
+from .attribution import GRADIENT_RULES, MambaAttribution
+from .raw_attention import MambaRawAttention
+from .rollout import MambaRollout
+
+__all__ = ["GRADIENT_RULES", "RECIPES", "ImplicitAttentionMethod", "MambaAttribution", "MambaRawAttention",
+           "MambaRollout"]

@@ -1,0 +1,140 @@
+"""The Captum base shared by the three methods: constructor, ``attribute``, ``attribute_generation``, the context
+manager, and Captum's capability flags. Each method file only says how per-layer maps become relevance."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from captum.attr import Attribution
+
+from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
+
+RECIPES = ("product", "official")
+
+
+def official_start_layer(count: int) -> int:
+    """The official notebooks start at layer 15 of 24; other depths keep the same fraction."""
+    return min(count - 1, round(count * 15 / 24))
+
+
+class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
+    """Base of :class:`MambaRawAttention`, :class:`MambaRollout` and :class:`MambaAttribution`.
+
+    Args:
+        model: a transformers model with supported token mixers (pure or hybrid), unchanged, any kernel path.
+        forward_func: optional ``forward_func(inputs, *additional_forward_args, attention_mask=..., **kwargs)``
+            returning (B, K) scores, for base models with a custom head. The token mixers it runs are those of
+            ``model``. Without it, ``*ForCausalLM`` explains the next-token logits at ``position`` and
+            ``*ForSequenceClassification`` its pooled class logits.
+    """
+
+    needs_residual_grads = False
+    needs_operator_grads = False
+
+    def __init__(self, model, forward_func=None):
+        Attribution.__init__(self, forward_func if forward_func is not None else model)
+        self.model = model
+        self._runner = Runner(model, forward_func)
+
+    # -- Captum's capability flags and protocol ------------------------------------------------------------------
+    @property
+    def multiplies_by_inputs(self) -> bool:
+        return False
+
+    def has_convergence_delta(self) -> bool:
+        return False
+
+    def attribute_future(self, *args, **kwargs):
+        raise NotImplementedError(f"attribute_future is not implemented for {type(self).__name__}")
+
+    def __exit__(self, *exc):
+        self._runner.close()
+        return False
+
+    # -- the method's own part -----------------------------------------------------------------------------------
+    def _relevance(self, explained, options: dict) -> list[torch.Tensor]:
+        """Per query, the (B, L) relevance. Implemented by each method."""
+        raise NotImplementedError
+
+    def _options(self, recipe, start_layer, reduce, **extra) -> tuple[dict, int]:
+        if recipe not in RECIPES:
+            raise ValueError(f"mamba_captum: recipe={recipe!r}; choose one of {RECIPES}.")
+        check_reduce(reduce)
+        count = len(self._runner.decoder_layers)
+        start = official_start_layer(count) if (start_layer is None and recipe == "official") else \
+            start_layer_index(start_layer, count)
+        return dict(recipe=recipe, reduce=reduce, **extra), start
+
+    def _explain(self, inputs, target, additional_forward_args, attention_mask, position, formulation, start_layer,
+                 reduce, components, recipe, forward_kwargs, queries=None, **extra):
+        options, start = self._options(recipe, start_layer, reduce, **extra)
+        explained = self._runner.run(
+            inputs, attention_mask=attention_mask, position=position, queries=queries, targets=target,
+            additional_forward_args=additional_forward_args, forward_kwargs=forward_kwargs, formulation=formulation,
+            components=components, start_layer=start, residual_grads=self._wants_residual(options),
+            operator_grads=self._wants_operator_grads(options), need_scores=target is not None)
+        return explained, self._relevance(explained, options)
+
+    def _wants_residual(self, options) -> bool:
+        return self.needs_residual_grads
+
+    def _wants_operator_grads(self, options) -> bool:
+        return self.needs_operator_grads
+
+    def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
+                  formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
+                  **forward_kwargs):
+        """Relevance of every input token for the explained output.
+
+        Args:
+            inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either.
+            target: the explained class: int, a 1-tuple, one per example (list or 1-D tensor), or None (argmax).
+                Class-agnostic methods check it and otherwise ignore it.
+            additional_forward_args: a dict of keywords for the model (e.g. ``{"position_ids": ...}``), or a tuple
+                of positional arguments after the inputs (token-id inputs or ``forward_func`` only).
+            attention_mask: (B, L), 1 for real tokens; left or right padding.
+            position: the query token (causal LM or ``forward_func``): int, one per example, or None for the last
+                real token. A sequence-classification head always explains its pooled token.
+            formulation: ``"unified"`` (gate · S6 · act · conv [· norm]) or ``"hidden"`` (S6 alone).
+            start_layer: first decoder layer used (negative allowed); None: 0, or the official start with
+                ``recipe="official"`` (15 of 24 layers).
+            reduce: channel reduction of the maps, ``"mean"`` | ``"abs_mean"`` | ``"sum"`` (product recipe).
+            components: unified ablations, as in :func:`mamba_captum.implicit_attention`.
+            recipe: ``"product"`` (full L×L matrices, DESIGN.md §4) or ``"official"`` (the papers' notebooks).
+            **forward_kwargs: passed to the model's forward.
+
+        Returns:
+            (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
+            a 1-tuple when ``inputs`` was a tuple.
+        """
+        inputs_tensor, was_tuple = format_inputs(inputs)
+        _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
+                                     formulation, start_layer, reduce, components, recipe, forward_kwargs)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple)
+
+    def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
+                             start_layer=None, reduce="mean", components=None, recipe="product",
+                             **method_kwargs):
+        """Token × token relevance of a generated text, as Captum's ``LLMAttributionResult``.
+
+        One forward pass over prompt + generated tokens; the row of each generated token t is the explanation of
+        its next-token logit (query = the token before it, target = t), restricted to the prompt tokens that
+        ``inp``'s skip mask keeps.
+
+        Args:
+            inp: a :class:`captum.attr.TextTokenInput`, or prompt ids (1, Lp).
+            target: the generated text (str, tokenised without special tokens) or its ids; None generates it
+                greedily with ``model.generate(prompt, **gen_args)`` (default ``max_new_tokens=25``).
+            tokenizer: needed for str targets and token names when ``inp`` is not a ``TextTokenInput``.
+        Returns:
+            ``LLMAttributionResult`` with ``token_attr`` (T, n_input_tokens), ``seq_attr`` = its sum over the T
+            generated tokens, ``output_probs`` (T,) the probabilities of the generated tokens.
+        """
+        from ..viz import generation_queries, generation_result
+
+        prompt, full, target_ids, tokenizer, keep = generation_queries(self, inp, target, tokenizer, gen_args)
+        queries = [(torch.tensor([prompt.shape[1] - 1 + t], device=full.device), target_ids[t:t + 1])
+                   for t in range(target_ids.shape[0])]
+        explained, relevance = self._explain(full, None, None, None, None, formulation, start_layer, reduce,
+                                             components, recipe, {}, queries=queries, **method_kwargs)
+        return generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relevance)

@@ -1,0 +1,341 @@
+"""What every method shares: inputs in Captum's forms, the explained scores and query rows, one captured forward
+pass, the gradients a method asks for, and the per-layer operators in execution order.
+
+Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one per explained output; Q = 1 for
+``attribute``, one per generated token for ``attribute_generation``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import families
+from ..attention import FORMULATIONS, _operators
+from ..capture import LayerCapture
+from ..operators import REDUCTIONS
+
+
+@dataclass
+class Query:
+    """One explained output: the query row per example and, for class-specific methods, the target per example."""
+
+    positions: torch.Tensor  # (B,) long, the query token of each example
+    targets: torch.Tensor | None = None  # (B,) long, the explained class / next token of each example
+
+    def context(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, L): 1 on the real tokens the query can see (j ≤ q, causal models). Min-max normalisations run over
+        these only, so a query in the middle of a sequence gets the result it gets as the last token."""
+        index = torch.arange(mask.shape[1], device=mask.device)
+        return mask * (index[None, :] <= self.positions[:, None].to(mask.device)).to(mask.dtype)
+
+
+@dataclass
+class LayerRecord:
+    """One token-mixing layer, handed to a method in execution order."""
+
+    key: int | str  # decoder-layer index; "{i}.shared_attention" for Zamba2's shared block
+    layer: int  # decoder-layer index the map belongs to
+    operator: object  # see mamba_captum.operators
+    operator_grads: list | None  # per query: gradient w.r.t. the operator's output (gradient × operator rule)
+    residual_grads: list | None  # per query: (B, L, D) gradient w.r.t. the residual stream entering the layer
+
+
+@dataclass
+class Explained:
+    """A captured forward pass, ready to be turned into explanations."""
+
+    model: object
+    trace: object
+    decoder_layers: object
+    formulation: str
+    components: frozenset
+    mask: torch.Tensor  # (B, L) float, 1 = real token
+    queries: list[Query]
+    scores: list[torch.Tensor | None] = field(default_factory=list)  # per query: (B, K) explained scores, detached
+    residual_grads: dict = field(default_factory=dict)  # layer -> [per query (B, L, D)]
+
+    @property
+    def batch(self) -> int:
+        return self.mask.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def layers(self):
+        """Yield a :class:`LayerRecord` per token-mixing layer, one operator alive at a time."""
+        attention_mask = None if bool(self.mask.all()) else self.mask
+        with torch.no_grad():
+            for key, operator, _, grads in _operators(self.model, self.trace, self.decoder_layers, self.formulation,
+                                                      self.components, attention_mask):
+                layer = key if isinstance(key, int) else int(str(key).split(".")[0])
+                yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer))
+
+
+# -- argument handling ---------------------------------------------------------------------------------------------
+def format_inputs(inputs):
+    """Captum's input forms -> (tensor, was_tuple). Token ids (B, L) or embeddings (B, L, D) (``inputs_embeds``)."""
+    was_tuple = isinstance(inputs, tuple)
+    if was_tuple:
+        if len(inputs) != 1:
+            raise ValueError(
+                f"mamba_captum: inputs is a tuple of {len(inputs)} tensors; the token input is the only one explained. "
+                "Pass (input_ids,) or (inputs_embeds,) and the rest as attention_mask= or additional_forward_args.")
+        inputs = inputs[0]
+    if not torch.is_tensor(inputs):
+        raise TypeError(f"mamba_captum: inputs must be a tensor (or a 1-tuple of one), got {type(inputs).__name__}.")
+    if inputs.is_floating_point():
+        if inputs.dim() != 3:
+            raise ValueError(f"mamba_captum: float inputs are embeddings (B, L, D); got shape {tuple(inputs.shape)}.")
+    elif inputs.dim() != 2:
+        raise ValueError(f"mamba_captum: token ids must be (B, L); got shape {tuple(inputs.shape)}. "
+                         "Add a batch dimension with input_ids[None].")
+    if inputs.shape[1] == 0:
+        raise ValueError("mamba_captum: inputs has no tokens (L = 0).")
+    return inputs, was_tuple
+
+
+def format_mask(attention_mask, inputs) -> torch.Tensor:
+    batch, length = inputs.shape[:2]
+    if attention_mask is None:
+        return torch.ones(batch, length, device=inputs.device)
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"mamba_captum: attention_mask has shape {tuple(attention_mask.shape)}; "
+                         f"inputs are ({batch}, {length}).")
+    mask = attention_mask.to(torch.float32)
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("mamba_captum: attention_mask must hold 0 (padding) and 1 (real token) only.")
+    if not bool(mask.any(-1).all()):
+        raise ValueError("mamba_captum: an example of the batch has no real token (its attention_mask is all 0).")
+    return mask
+
+
+def last_real_token(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the last token with mask 1 (left or right padding)."""
+    index = torch.arange(mask.shape[1], device=mask.device)
+    return (index * (mask > 0)).argmax(-1)
+
+
+def format_positions(position, mask: torch.Tensor) -> torch.Tensor:
+    """``position=`` (None: last real token; int, or one per example; negative counts from the end) -> (B,)."""
+    batch, length = mask.shape
+    if position is None:
+        return last_real_token(mask)
+    positions = torch.as_tensor(position, dtype=torch.long, device=mask.device).reshape(-1)
+    if positions.numel() == 1:
+        positions = positions.expand(batch)
+    if positions.numel() != batch:
+        raise ValueError(f"mamba_captum: position= has {positions.numel()} entries for a batch of {batch}.")
+    if bool(((positions < -length) | (positions >= length)).any()):
+        raise IndexError(f"mamba_captum: position={positions.tolist()} out of range for {length} tokens.")
+    positions = positions % length
+    if not bool(mask[torch.arange(batch, device=mask.device), positions].all()):
+        raise ValueError(f"mamba_captum: position={positions.tolist()} points at a padding token.")
+    return positions.clone()
+
+
+def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
+    """Captum's target forms for (B, K) scores -> (B,) class indices; None -> the argmax of each example.
+
+    int or 0-d tensor: the same class for all; a 1-tuple (c,): the same; a list of ints / 1-tuples or a 1-D tensor
+    of length B: one per example.
+    """
+    batch, classes = scores.shape
+    if target is None:
+        return scores.argmax(-1)
+    if isinstance(target, tuple):
+        if len(target) != 1:
+            raise IndexError(f"mamba_captum: target={target} indexes {len(target)} output dimensions; "
+                             f"the explained scores are (B, K) = {tuple(scores.shape)}: give one class index.")
+        target = target[0]
+    if isinstance(target, list):
+        target = [t[0] if isinstance(t, tuple) and len(t) == 1 else t for t in target]
+        if not all(isinstance(t, int) or (torch.is_tensor(t) and t.numel() == 1) for t in target):
+            raise TypeError(f"mamba_captum: target list must hold one int per example, got {target}.")
+    try:
+        targets = torch.as_tensor(target, device=scores.device)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"mamba_captum: target={target!r} is not an int, a tuple, a list or a tensor.") from error
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise TypeError(f"mamba_captum: target must hold integer class indices, got dtype {targets.dtype}.")
+    targets = targets.reshape(-1).long()
+    if targets.numel() == 1:
+        targets = targets.expand(batch)
+    elif targets.numel() != batch:
+        raise ValueError(f"mamba_captum: {targets.numel()} targets for a batch of {batch} examples; give one "
+                         "target for all or one per example.")
+    if bool(((targets < -classes) | (targets >= classes)).any()):
+        raise IndexError(f"mamba_captum: target {targets.tolist()} out of range: the explained output has "
+                         f"{classes} classes (indices 0..{classes - 1}).")
+    return (targets % classes).clone()
+
+
+def start_layer_index(start_layer, count: int) -> int:
+    if start_layer is None:
+        return 0
+    start = int(start_layer)
+    if not -count <= start < count:
+        raise IndexError(f"mamba_captum: start_layer={start_layer} out of range for {count} decoder layers.")
+    return start % count
+
+
+# -- the captured forward pass -------------------------------------------------------------------------------------
+class Runner:
+    """Runs the explained model (or the user's ``forward_func``) once under the capture hooks."""
+
+    def __init__(self, model, forward_func=None):
+        self.model = model
+        self.forward_func = forward_func
+        self.decoder_layers, self.mixers = families.locate(model)  # TypeError now for unsupported models
+        self._active: set = set()  # captures whose hooks are on the model right now
+
+    def close(self):
+        """Remove the hooks of any capture still registered (the context-manager guarantee)."""
+        for capture in list(self._active):
+            capture._remove()
+        self._active.clear()
+
+    def _call(self, inputs, mask_given, attention_mask, additional_forward_args, forward_kwargs):
+        args, kwargs = (), dict(forward_kwargs)
+        if isinstance(additional_forward_args, dict):
+            kwargs.update(additional_forward_args)
+        elif additional_forward_args is not None:
+            args = tuple(additional_forward_args) if isinstance(additional_forward_args, (tuple, list)) \
+                else (additional_forward_args,)
+        if mask_given:
+            kwargs["attention_mask"] = attention_mask
+        if self.forward_func is not None:
+            return self.forward_func(inputs, *args, **kwargs)
+        kwargs.setdefault("use_cache", False)
+        if inputs.is_floating_point():
+            if args:
+                raise TypeError("mamba_captum: with inputs_embeds, pass additional_forward_args as a dict of keywords.")
+            return self.model(inputs_embeds=inputs, **kwargs)
+        return self.model(inputs, *args, **kwargs)
+
+    def _scores(self, output, inputs, positions, explicit_position):
+        """The (B, K) explained scores and the query positions (B,) they come from."""
+        if self.forward_func is not None:
+            scores = output
+            if not torch.is_tensor(scores) or scores.dim() != 2:
+                shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+                raise ValueError(f"mamba_captum: forward_func must return (B, K) scores; got {shape}.")
+            return scores, positions
+        logits = getattr(output, "logits", None)
+        if logits is None:
+            return None, positions
+        if logits.dim() == 3:  # causal LM: next-token logits at the query position
+            batch = logits.shape[0]
+            return logits[torch.arange(batch, device=logits.device), positions.to(logits.device)], positions
+        if logits.dim() == 2:  # sequence classification: HF pooled the last non-pad token itself
+            if explicit_position:
+                raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
+                                 "explains its pooled (last non-pad) token.")
+            return logits, self._pooled_positions(inputs)
+        raise ValueError(f"mamba_captum: unexpected logits shape {tuple(logits.shape)}.")
+
+    def _pooled_positions(self, inputs):
+        """The token HF's ``*ForSequenceClassification`` pools: the last one that is not ``pad_token_id``."""
+        batch, length = inputs.shape[:2]
+        pad = getattr(self.model.config, "pad_token_id", None)
+        if pad is None or inputs.is_floating_point():
+            return torch.full((batch,), length - 1, dtype=torch.long, device=inputs.device)
+        index = torch.arange(length, device=inputs.device)
+        return (index * (inputs != pad)).argmax(-1)
+
+    def run(self, inputs, *, attention_mask=None, position=None, queries=None, targets=None,
+            additional_forward_args=None, forward_kwargs=None, formulation="unified", components=None,
+            start_layer=0, residual_grads=False, operator_grads=False, need_scores=False) -> Explained:
+        """One forward pass under the hooks; gradients of each query's target score if asked for.
+
+        ``queries``: explicit list of (positions (B,), targets (B,) or None) for generation; otherwise one query from
+        ``position`` and ``target``.
+        """
+        if formulation not in FORMULATIONS:
+            raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
+        kept = families.parse_components(components, formulation)
+        mask = format_mask(attention_mask, inputs)
+        positions = format_positions(position, mask)
+        layers = list(range(start_layer, len(self.decoder_layers)))
+        need_grad = residual_grads or operator_grads
+        capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
+                               record_residual=residual_grads)
+        self._active.add(capture)
+        try:
+            with torch.set_grad_enabled(need_grad), capture:
+                output = self._call(inputs, attention_mask is not None, attention_mask, additional_forward_args,
+                                    dict(forward_kwargs or {}))
+        finally:
+            self._active.discard(capture)
+        trace = capture.trace
+        explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [])
+        grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
+        try:
+            if queries is None:
+                scores, positions = self._scores(output, inputs, positions, position is not None)
+                if scores is None and (need_grad or need_scores):
+                    raise TypeError(
+                        f"mamba_captum: {type(self.model).__name__} returns no logits; pass forward_func= returning "
+                        "(B, K) scores (e.g. a head on the last hidden state).")
+                query_targets = None if scores is None else format_targets(targets, scores.detach())
+                queries = [(positions, scores, query_targets)]
+            else:
+                logits = output.logits if self.forward_func is None else output
+                queries = [(pos, logits[torch.arange(len(pos)), pos], tgt) for pos, tgt in queries]
+            explained.queries = [Query(pos, tgt) for pos, _, tgt in queries]
+            explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
+            if need_grad:
+                self._gradients(explained, trace, queries, layers, residual_grads, operator_grads)
+        finally:
+            grad_mode.__exit__(None, None, None)
+            trace.detach()
+        return explained
+
+    @staticmethod
+    def _gradients(explained, trace, queries, layers, residual_grads, operator_grads):
+        tensors = []
+        if residual_grads:
+            missing = [i for i in layers if i not in trace.residuals]
+            if missing:
+                raise RuntimeError(f"mamba_captum: decoder layers {missing} did not run in the forward pass.")
+            tensors += [trace.residuals[i] for i in layers]
+        calls = (trace.mixer_calls + trace.attention_calls) if operator_grads else []
+        tensors += [call.output for call in calls]
+        if any(not t.requires_grad for t in tensors):
+            raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
+                               "layers (is it run under torch.no_grad or inference_mode inside forward_func?).")
+        for call in calls:
+            call.output_grads = []
+        for number, (_, scores, targets) in enumerate(queries):
+            picked = scores.gather(1, targets[:, None].to(scores.device)).sum()
+            grads = torch.autograd.grad(picked, tensors, retain_graph=number < len(queries) - 1, allow_unused=True)
+            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+            if residual_grads:
+                for i, grad in zip(layers, grads[:len(layers)]):
+                    explained.residual_grads.setdefault(i, []).append(grad.detach())
+                grads = grads[len(layers):]
+            for call, grad in zip(calls, grads):
+                call.output_grads.append(grad.detach())
+
+
+def check_reduce(reduce):
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
+
+
+def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool):
+    """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings."""
+    if inputs.is_floating_point():
+        relevance = relevance[..., None].expand(*inputs.shape).to(inputs.dtype)
+    return (relevance,) if was_tuple else relevance
+
+
+def gather_rows(rows_by_position: dict, positions: torch.Tensor) -> torch.Tensor:
+    """Per example b, the row computed for query positions[b]: rows_by_position[p] is (B, ...) -> (B, ...)."""
+    return torch.stack([rows_by_position[int(p)][b] for b, p in enumerate(positions.tolist())])
+
+
+def unique_positions(queries: Sequence[Query]) -> list[int]:
+    return sorted({int(p) for q in queries for p in q.positions.tolist()})

@@ -1,0 +1,100 @@
+"""MambaAttribution: class-specific rollout of gradient-weighted implicit attention (Ali et al. Eq. 23).
+
+product, gradient_rule="residual" (the official rule on full matrices):
+    s^ℓ[j] = minmax_j(max_d relu(∂ target / ∂ r^ℓ[j, d])),  r^ℓ the residual stream entering decoder layer ℓ,
+    Ã^ℓ = rownorm(I + (A^ℓ ⊙ 1 s^ℓᵀ)₊),  R = (Ã^Λ ⋯ Ã^s)[q, :].
+product, gradient_rule="grad_x_operator":
+    G^ℓ[i, j] = mean_c g_c[i] · H_c[i, j] · x_c[j],  g = ∂ target / ∂ (the operator's output),  x its input
+    (rows of G sum to the layer's first-order contribution over C channels), Ã^ℓ = rownorm(I + (G^ℓ)₊).
+official (rank-1 rollout of the query rows, query entry 0, clamp ≥ 0):
+    formulation="hidden" (Ali et al., HMA): v^ℓ = mean_c minmax(relu(row_c)), X^ℓ = 1 · (v^ℓ ⊙ s^ℓ)ᵀ;
+    formulation="unified" (Zimerman et al., UIA): w^ℓ = minmax(mean_c relu(row_c) ⊙ s^ℓ), X^ℓ = 1 · w^ℓᵀ;
+    M^ℓ = rownorm(X^ℓ + I).
+"""
+from __future__ import annotations
+
+import torch
+from captum.attr import GradientAttribution
+
+from ._base import ImplicitAttentionMethod
+from ._explain import as_attributions, format_inputs, gather_rows, unique_positions
+from ._rollout import RunningProduct, add_identity, broadcast_row, drop_query, minmax, row_normalise, rollout_step
+
+GRADIENT_RULES = ("residual", "grad_x_operator")
+
+
+def residual_scores(grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """s[j] = minmax_j(max_d relu(grad[j, d])) over the real tokens: (B, L, D) -> (B, L)."""
+    return minmax(grad.clamp(min=0).amax(-1), mask.to(grad.dtype))
+
+
+class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
+    """Mamba-Attribution: implicit attention weighted by the target's gradients, rolled out over the layers.
+
+    ``MambaAttribution(model).attribute(input_ids, target=c)`` -> (B, L). See :meth:`attribute` for the keywords
+    and ``docs/methods/attribution.md`` for the formulas.
+    """
+
+    def __init__(self, model, forward_func=None):
+        ImplicitAttentionMethod.__init__(self, model, forward_func)
+        GradientAttribution.__init__(self, self.forward_func)
+
+    def _wants_residual(self, options):
+        return options["recipe"] == "official" or options["gradient_rule"] == "residual"
+
+    def _wants_operator_grads(self, options):
+        return options["recipe"] == "product" and options["gradient_rule"] == "grad_x_operator"
+
+    def _options(self, recipe, start_layer, reduce, gradient_rule="grad_x_operator", **extra):
+        if gradient_rule not in GRADIENT_RULES:
+            raise ValueError(f"mamba_captum: gradient_rule={gradient_rule!r}; choose one of {GRADIENT_RULES}.")
+        return super()._options(recipe, start_layer, reduce, gradient_rule=gradient_rule, **extra)
+
+    def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
+                  formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
+                  gradient_rule="grad_x_operator", **forward_kwargs):
+        """As :meth:`ImplicitAttentionMethod.attribute`, plus ``gradient_rule``: ``"grad_x_operator"`` (default:
+        per-channel gradient × operator × input) or ``"residual"`` (the official rule: gradient at the residual
+        stream entering each block). The default is provisional: on the trained marker models of the tests the
+        gradient × operator rule ranks the evidence first more often (docs/methods/attribution.md); the
+        faithfulness benchmark settles it. ``target=None`` explains the argmax class / token of each example."""
+        inputs_tensor, was_tuple = format_inputs(inputs)
+        _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
+                                     formulation, start_layer, reduce, components, recipe, forward_kwargs,
+                                     gradient_rule=gradient_rule)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple)
+
+    def _relevance(self, explained, options):
+        if options["recipe"] == "official":
+            return self._official(explained)
+        products = [RunningProduct() for _ in explained.queries]
+        for record in explained.layers():
+            if options["gradient_rule"] == "residual":
+                maps = record.operator.maps(options["reduce"])
+                factors = [maps * residual_scores(grads, query.context(explained.mask))[:, None, :]
+                           for query, grads in zip(explained.queries, record.residual_grads)]
+            else:
+                factors = [record.operator.contributions(grads) / record.operator.value_channels
+                           for grads in record.operator_grads]
+            for product, factor in zip(products, factors):
+                product.push(rollout_step(factor))
+        return [product.rows(q.positions, explained.length) for q, product in zip(explained.queries, products)]
+
+    @staticmethod
+    def _official(explained):
+        rows = unique_positions(explained.queries)
+        hidden = explained.formulation == "hidden"
+        products = [RunningProduct() for _ in explained.queries]
+        for record in explained.layers():
+            per_channel = record.operator.maps(None, rows).clamp(min=0)  # (B, C, R, L), relu per channel
+            by_position = {p: per_channel[:, :, i] for i, p in enumerate(rows)}
+            for query, product, grads in zip(explained.queries, products, record.residual_grads):
+                context = query.context(explained.mask).to(per_channel.dtype)
+                row = gather_rows(by_position, query.positions)  # (B, C, L)
+                if hidden:  # HMA: min-max of each channel's row, then the channel mean
+                    weighted = minmax(row, context[:, None, :]).mean(1) * residual_scores(grads, context)
+                else:  # UIA: channel mean first; the min-max comes after the gradient weighting
+                    weighted = minmax(row.mean(1) * residual_scores(grads, context), context)
+                product.push(row_normalise(add_identity(broadcast_row(weighted))))
+        return [drop_query(product.rows(q.positions, explained.length), q.positions)
+                for q, product in zip(explained.queries, products)]

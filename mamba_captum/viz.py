@@ -1,0 +1,109 @@
+"""Results into Captum's visualisation: ``VisualizationDataRecord``s for ``visualize_text`` and
+``LLMAttributionResult``s for generated text (``plot_token_attr`` / ``plot_seq_attr``)."""
+from __future__ import annotations
+
+import torch
+from captum.attr import LLMAttributionResult, TextTokenInput
+from captum.attr import visualization as captum_visualization
+
+
+def scale_to_unit(relevance: torch.Tensor) -> torch.Tensor:
+    """Divide by the largest |value| so scores lie in [-1, 1] (all-zero stays zero). Works on the last dim."""
+    relevance = relevance.detach().double()
+    peak = relevance.abs().amax(-1, keepdim=True)
+    return (relevance / torch.where(peak > 0, peak, torch.ones_like(peak))).float()
+
+
+def to_visualization_record(relevance, tokens, *, attention_mask=None, pred_prob=0.0, pred_class="",
+                            true_class="", attr_class="", convergence_score=0.0):
+    """``VisualizationDataRecord``(s) that ``captum.attr.visualization.visualize_text`` renders.
+
+    Args:
+        relevance: (L,) for one example or (B, L) for a batch (e.g. ``attr.attribute(...)``); (B, L, D) embedding
+            attributions are reduced to one score per token (their first feature; the methods repeat it).
+        tokens: L token strings, or B lists of them.
+        attention_mask: (B, L) or (L,); padding tokens are left out of the record.
+        pred_prob, pred_class, true_class, attr_class: shown in the table (scalars, or one per example).
+    Returns:
+        one record for (L,) input, a list of B records for (B, L). Word scores are scaled to [-1, 1] by the
+        largest |score| of the example; ``attr_score`` is the unscaled sum.
+    """
+    relevance = torch.as_tensor(relevance).detach()
+    if relevance.dim() == 3:
+        relevance = relevance[..., 0]
+    single = relevance.dim() == 1
+    batch = relevance[None] if single else relevance
+    token_lists = [tokens] if single else list(tokens)
+    if len(token_lists) != batch.shape[0]:
+        raise ValueError(f"mamba_captum: {len(token_lists)} token lists for {batch.shape[0]} examples.")
+    mask = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(batch.shape).bool()
+
+    def pick(value, index):
+        return value[index] if isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim()) \
+            else value
+
+    records = []
+    for index, (row, names) in enumerate(zip(batch, token_lists)):
+        names = list(names)
+        if len(names) != row.shape[0]:
+            raise ValueError(f"mamba_captum: {len(names)} tokens for a relevance row of {row.shape[0]}.")
+        if mask is not None:
+            keep = mask[index]
+            row, names = row[keep], [n for n, k in zip(names, keep.tolist()) if k]
+        records.append(captum_visualization.VisualizationDataRecord(
+            scale_to_unit(row), float(pick(pred_prob, index)), pick(pred_class, index), pick(true_class, index),
+            pick(attr_class, index), float(row.sum()), names, float(pick(convergence_score, index))))
+    return records[0] if single else records
+
+
+# -- generated text ------------------------------------------------------------------------------------------------
+def generation_queries(method, inp, target, tokenizer, gen_args):
+    """Prompt ids (1, Lp), full ids (1, Lp + T), target ids (T,), tokenizer, kept prompt positions (Lp,) bool."""
+    if method._runner.forward_func is not None:
+        raise TypeError("mamba_captum: attribute_generation explains a *ForCausalLM model's next-token logits; "
+                        "it does not take forward_func.")
+    if isinstance(inp, TextTokenInput):
+        prompt, tokenizer = inp.inp_tensor, inp.tokenizer
+        keep = torch.ones(prompt.shape[1], dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask[0].bool()
+    elif torch.is_tensor(inp) and not inp.is_floating_point():
+        prompt = inp if inp.dim() == 2 else inp[None]
+        keep = torch.ones(prompt.shape[1], dtype=torch.bool)
+    else:
+        raise TypeError("mamba_captum: inp must be a captum TextTokenInput or prompt token ids (1, Lp).")
+    if prompt.shape[0] != 1:
+        raise ValueError(f"mamba_captum: attribute_generation explains one prompt; got a batch of {prompt.shape[0]}.")
+    device = next(method.model.parameters()).device
+    prompt = prompt.to(device)
+    if target is None:
+        options = {"max_new_tokens": 25, "do_sample": False, **(gen_args or {})}
+        with torch.no_grad():
+            generated = method.model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+        target_ids = generated[0, prompt.shape[1]:]
+    elif isinstance(target, str):
+        if tokenizer is None:
+            raise ValueError("mamba_captum: a str target needs a tokenizer (pass tokenizer= or a TextTokenInput).")
+        target_ids = torch.tensor(tokenizer.encode(target, add_special_tokens=False), device=device)
+    else:
+        target_ids = torch.as_tensor(target, device=device).reshape(-1).long()
+    if target_ids.numel() == 0:
+        raise ValueError("mamba_captum: the target has no tokens.")
+    full = torch.cat([prompt, target_ids[None]], dim=1)
+    return prompt, full, target_ids, tokenizer, keep.to(device)
+
+
+def _token_names(ids, tokenizer):
+    ids = [int(i) for i in ids]
+    return tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
+
+
+def generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relevance) -> LLMAttributionResult:
+    prompt_length = prompt.shape[1]
+    rows = torch.stack([r[0, :prompt_length] for r in relevance])  # (T, Lp): each generated token's row
+    token_attr = rows[:, keep].detach().cpu()
+    probs = torch.stack([torch.softmax(scores[0].double(), -1)[int(t)]
+                         for scores, t in zip(explained.scores, target_ids)]).float().cpu()
+    input_tokens = inp.values if isinstance(inp, TextTokenInput) else \
+        [n for n, k in zip(_token_names(prompt[0], tokenizer), keep.tolist()) if k]
+    return LLMAttributionResult(input_tokens=list(input_tokens), output_tokens=_token_names(target_ids, tokenizer),
+                                seq_attr=token_attr.sum(0), token_attr=token_attr, output_probs=probs,
+                                inp=inp if isinstance(inp, TextTokenInput) else None)
