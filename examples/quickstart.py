@@ -1,4 +1,5 @@
-"""Quickstart: the implicit attention of a tiny random Mamba, and how exactly it reproduces the layer.
+"""Quickstart: the implicit attention of a tiny random Mamba, how exactly it reproduces the layer, and the
+Captum explanations built on it.
 
 Runs offline in seconds: the model is built from a config (no download). With a real checkpoint, replace the
 config by ``MambaForCausalLM.from_pretrained("state-spaces/mamba-130m-hf")`` and the ids by a tokenizer's output.
@@ -43,3 +44,9 @@ H = mc.implicit_attention(model, input_ids, reduce=None, layers=[1])[1]  # (batc
 y = torch.einsum("bcis,bsc->bic", H.double(), seen["x"].double())
 error = ((y - seen["y"]).abs().max() / seen["y"].abs().max()).item()
 print(f"out_proj input vs H x over {H.shape[1]} channels: max relative error {error:.1e}")
+
+# 4. Explanations as Captum attributions: which input tokens the next-token prediction relies on, (batch, L).
+target = int(model(input_ids).logits[0, -1].argmax())
+for method in (mc.MambaRawAttention, mc.MambaRollout, mc.MambaAttribution):
+    relevance = method(model).attribute(input_ids, target=target)
+    print(f"{method.__name__:>18}:", relevance[0])
