@@ -21,21 +21,29 @@ def sequences(count, generator):
     return ids, answer, where
 
 
-@pytest.fixture(scope="module")
-def trained():
+def recall_config():
+    return tf.MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+                          time_step_rank=4, pad_token_id=0, tie_word_embeddings=False)
+
+
+def train_recall_model(steps=200):
+    """The tiny Mamba of this check, trained from seed 0 (also used by docs/assets/make_figures.py). Eval mode."""
     torch.manual_seed(0)
-    config = tf.MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                            conv_kernel=4, time_step_rank=4, pad_token_id=0, tie_word_embeddings=False)
-    model = tf.MambaForCausalLM(config)
+    model = tf.MambaForCausalLM(recall_config())
     optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(200):
+    for _ in range(steps):
         ids, answer, _ = sequences(64, generator)
         loss = torch.nn.functional.cross_entropy(model(ids).logits[:, -1], answer)
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
-    model.eval()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def trained():
+    model = train_recall_model()
     held_out = sequences(32, torch.Generator().manual_seed(1))
     with torch.no_grad():
         accuracy = (model(held_out[0]).logits[:, -1].argmax(-1) == held_out[1]).float().mean().item()
@@ -64,7 +72,5 @@ def test_the_marker_pair_is_ranked_first(trained, method, options, floor):
 def test_an_untrained_model_does_not_pass_the_check(trained):
     _, (ids, answer, where) = trained
     torch.manual_seed(0)
-    config = tf.MambaConfig(vocab_size=16, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                            conv_kernel=4, time_step_rank=4, pad_token_id=0, tie_word_embeddings=False)
-    untrained = tf.MambaForCausalLM(config).eval()
+    untrained = tf.MambaForCausalLM(recall_config()).eval()
     assert hits(mc.MambaAttribution(untrained).attribute(ids, target=answer), where) < 0.5
