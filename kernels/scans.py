@@ -73,3 +73,42 @@ def ssd_scan_reference(x, delta, A, B, C, chunk: int = SSD_CHUNK):
         state = torch.exp(cum[:, c, -1])[:, :, None, None] * state + chunk_states[:, c]
     y = y + torch.einsum("bcihn,bchpn,bcih->bcihp", C, incoming, cum.exp())
     return y.flatten(1, 2)[:, :length]
+
+
+def decay_scan_reference(x, log_decay, log_q=None, log_k=None, log_diag=None, row_weight=None, col_weight=None,
+                         segments=None):
+    """The diagonal-decay recurrence of :mod:`mamba_captum.kernels.decay` applied to x, token by token, float64.
+
+    y_i = row_i · (Σ_{j<i} exp(log_q_i + log_k_j − Σ_{k=j+1..i} log_decay_k) col_j x_j + exp(log_diag_i) col_i x_i),
+    where the sum stops at the last reset (``segments`` changes). The state is kept as exp(m) · h̃ with m a running
+    max of the key exponents (RWKV's numerically stable recurrence): keys of any size cannot overflow.
+
+    Args:
+        x, log_decay: (B, L, C).  log_q, log_k, log_diag, row_weight, col_weight: (B, L, C) or None.
+        segments: (B, L) integer segment ids or None.
+    Returns:
+        y: (B, L, C) float64.
+    """
+    f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731
+    x, log_decay = f64(x), f64(log_decay)
+    zero = torch.zeros_like(x)
+    log_q = zero if log_q is None else f64(log_q)
+    log_k = zero if log_k is None else f64(log_k)
+    log_diag = log_q + log_k if log_diag is None else f64(log_diag)
+    value = x if col_weight is None else x * f64(col_weight)
+    batch, length, channels = x.shape
+    running = x.new_full((batch, channels), float("-inf"))  # m: log-scale of the state
+    state = x.new_zeros(batch, channels)  # h̃: state / exp(m)
+    out = torch.empty_like(x)
+    for t in range(length):
+        carried = running - log_decay[:, t]  # log-scale of the decayed previous state
+        if segments is not None and t > 0:
+            reset = (segments[:, t] != segments[:, t - 1])[:, None]
+            carried = carried.masked_fill(reset, float("-inf"))
+        previous = torch.where(torch.isfinite(carried), torch.exp(log_q[:, t] + carried) * state, zero[:, t])
+        out[:, t] = previous + torch.exp(log_diag[:, t]) * value[:, t]
+        running_new = torch.maximum(carried, log_k[:, t])
+        keep = torch.where(torch.isfinite(carried), torch.exp(carried - running_new), zero[:, t])
+        state = keep * state + torch.exp(log_k[:, t] - running_new) * value[:, t]
+        running = running_new
+    return out if row_weight is None else out * f64(row_weight)

@@ -70,6 +70,7 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     if attention_mask is not None:
         forward_kwargs["attention_mask"] = attention_mask
     forward_kwargs.setdefault("use_cache", False)
+    families.check_forward(mixers, attention_mask, forward_kwargs)
     with LayerCapture(decoder_layers, mixers, layers) as capture:
         output = model(**forward_kwargs)
     return capture.trace, output, decoder_layers, kept
@@ -114,6 +115,8 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                 attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
                                          token_mask)
         for call in mixer_calls.get(index, ()):
+            if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
+                call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
             ssm_grads = _operator_grads(ssm, call)
             ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
@@ -146,12 +149,15 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
         order; ``output`` is the model's output; ``errors`` maps the same keys to the relative error of the layer
         output rebuilt from the operator.
     """
-    trace, output, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers,
-                                                   components, forward_kwargs)
     operators, errors = {}, {}
-    with torch.no_grad():
-        for key, operator, error, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
-            operators[key], errors[key] = operator, error
+    # RWKV rescales weights inside its forward: rebuild with the weights the forward used, then restore them.
+    with families.preserved_state(model):
+        trace, output, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers,
+                                                       components, forward_kwargs)
+        with torch.no_grad():
+            for key, operator, error, _ in _operators(model, trace, decoder_layers, formulation, kept,
+                                                      attention_mask):
+                operators[key], errors[key] = operator, error
     return operators, output, errors
 
 
@@ -190,7 +196,7 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
     if source is None:
         raise ValueError("mamba_captum: pass input_ids, or inputs_embeds= as a keyword argument.")
     selected = _normalise_rows(rows, source.shape[1], source.device)
-    with torch.no_grad():
+    with torch.no_grad(), families.preserved_state(model):  # (RWKV: the rebuild needs the forward's weights)
         trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,
                                                   forward_kwargs)
         # Layer by layer: only one layer's operator is alive at a time.

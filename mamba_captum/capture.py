@@ -30,6 +30,7 @@ class MixerCall:
     output: torch.Tensor | None = None  # (B, L, D_model) the mixer's real output
     unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
+    options: dict = field(default_factory=dict)  # the mixer's other keyword arguments (e.g. position_ids)
 
 
 @dataclass
@@ -136,7 +137,8 @@ class LayerCapture(contextlib.AbstractContextManager):
                 mask = args[2]
             if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
                 mask = None  # the mixers only ever use a 2-D padding mask
-            self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask)))
+            options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
+            self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask), options=options))
 
         return hook
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+
+from . import families
 from captum.attr import LLMAttributionResult, TextTokenInput
 from captum.attr import visualization as captum_visualization
 
@@ -76,7 +78,7 @@ def generation_queries(method, inp, target, tokenizer, gen_args):
     prompt = prompt.to(device)
     if target is None:
         options = {"max_new_tokens": 25, "do_sample": False, **(gen_args or {})}
-        with torch.no_grad():
+        with torch.no_grad(), families.preserved_state(method.model):
             generated = method.model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
         target_ids = generated[0, prompt.shape[1]:]
     elif isinstance(target, str):

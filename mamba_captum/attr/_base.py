@@ -7,6 +7,7 @@ import contextlib
 import torch
 from captum.attr import Attribution
 
+from .. import families
 from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
 
 RECIPES = ("product", "official")
@@ -68,6 +69,12 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
     def _explain(self, inputs, target, additional_forward_args, attention_mask, position, formulation, start_layer,
                  reduce, components, recipe, forward_kwargs, queries=None, **extra):
         options, start = self._options(recipe, start_layer, reduce, **extra)
+        with families.preserved_state(self.model):  # RWKV: rebuild with the weights its forward used, then restore
+            return self._explain_preserved(inputs, target, additional_forward_args, attention_mask, position,
+                                           formulation, components, forward_kwargs, queries, options, start)
+
+    def _explain_preserved(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
+                           components, forward_kwargs, queries, options, start):
         explained = self._runner.run(
             inputs, attention_mask=attention_mask, position=position, queries=queries, targets=target,
             additional_forward_args=additional_forward_args, forward_kwargs=forward_kwargs, formulation=formulation,

@@ -262,11 +262,14 @@ class Runner:
         need_grad = residual_grads or operator_grads
         capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
                                record_residual=residual_grads)
+        forward_kwargs = dict(forward_kwargs or {})
+        keywords = {**forward_kwargs, **(additional_forward_args if isinstance(additional_forward_args, dict) else {})}
+        families.check_forward(self.mixers, attention_mask, keywords)
         self._active.add(capture)
         try:
             with torch.set_grad_enabled(need_grad), capture:
                 output = self._call(inputs, attention_mask is not None, attention_mask, additional_forward_args,
-                                    dict(forward_kwargs or {}))
+                                    forward_kwargs)
         finally:
             self._active.discard(capture)
         trace = capture.trace

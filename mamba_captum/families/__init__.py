@@ -6,19 +6,21 @@ of the explanation methods; the methods know nothing of the families.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from . import mamba, mamba2
+from . import mamba, mamba2, recurrent_gemma, rwkv
 
-ADAPTERS = {name: adapter for adapter in (mamba, mamba2) for name in adapter.MIXER_CLASSES}
+ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma) for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
+# forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
+CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
 KNOWN_UNSUPPORTED = (
-    "RwkvSelfAttention",
-    "RecurrentGemmaRecurrentBlock",
     "Lfm2ShortConv",
     "Qwen3NextGatedDeltaNet",
     "KimiLinearDeltaAttention",
@@ -105,3 +107,39 @@ def parse_components(components, formulation: str) -> frozenset[str]:
     if unknown:
         raise ValueError(f"mamba_captum: unknown component(s) {sorted(unknown)}; choose from {list(COMPONENTS)}.")
     return frozenset(kept)
+
+
+def check_forward(mixers: list[LocatedMixer], attention_mask, forward_kwargs: dict):
+    """Refuse what the operators cannot describe: continuing a cached prefix, and left padding for families whose
+    token mixers ignore ``attention_mask`` (RWKV, RecurrentGemma), where the pads change the real tokens' result.
+
+    Raises:
+        ValueError: naming the problem and the fix.
+    """
+    for name in CONTINUATION_KEYWORDS:
+        if forward_kwargs.get(name) is not None:
+            raise ValueError(f"mamba_captum: {name}= continues a cached prefix, whose tokens the explanation could "
+                             "not see; pass the whole sequence instead (and use_cache=False).")
+    if attention_mask is None:
+        return
+    ignoring = sorted({type(m.module).__name__ for m in mixers if getattr(m.adapter, "IGNORES_ATTENTION_MASK", False)})
+    if not ignoring:
+        return
+    mask = torch.as_tensor(attention_mask) != 0
+    # right padding: once a row has a pad, every later token is a pad too
+    left_padded = (mask[:, 1:] & ~mask[:, :-1]).any()
+    if bool(left_padded):
+        raise ValueError(
+            f"mamba_captum: {', '.join(ignoring)} ignores attention_mask in transformers, so left padding changes "
+            "what the model computes for the real tokens. Pad on the right (tokenizer.padding_side = 'right'); "
+            "the real tokens of a right-padded batch give the unpadded result.")
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module):
+    """Undo what a forward pass of the model changes on its own modules, on every exit path: RWKV's in-place
+    rescaling of weights on its first eval (or train) forward, and RecurrentGemma's cached recurrent states."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(rwkv.preserved_rescaling(model))
+        stack.enter_context(recurrent_gemma.preserved_states(model))
+        yield

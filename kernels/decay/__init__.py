@@ -1,0 +1,37 @@
+"""Diagonal-decay recurrence maps: RWKV-4's WKV and Griffin's RG-LRU (one decay per channel and token).
+
+Per channel c, with ``S = cumsum(log_decay)``::
+
+    α_c[i, j] = exp(log_q[i] + log_k[j] − (S[i] − S[j]))   (j < i),   α_c[i, i] = exp(log_diag[i]),
+    0 above the diagonal and across segments (state resets);
+    H_c = diag(row_weight_c) · α_c · diag(col_weight_c) · M_c   (M_c: bias-free causal conv, Toeplitz).
+
+RWKV-4: log_decay = w = exp(time_decay), log_k = k + w, log_q = −log Z (the row normaliser), log_diag =
+u + k − log Z. RG-LRU: log_decay = −log a, col_weight = √(1 − a²) · input gate, segments from ``position_ids == 0``.
+
+- :func:`decay_maps_naive` — the full float64 (B, C, L, L) stack: the test reference.
+- :func:`decay_maps_blocked` — tiled GEMMs for reduced maps, every exponent ≤ 0 (no overflow for large keys).
+- :func:`decay_maps` — the dispatcher the library calls.
+"""
+from __future__ import annotations
+
+from .blocked import decay_maps_blocked
+from .naive import decay_maps_naive
+
+__all__ = ["decay_maps", "decay_maps_blocked", "decay_maps_naive"]
+
+
+def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=None, col_weight=None,
+               conv_weight=None, segments=None, rows=None, reduce="mean", out_dtype=None):
+    """Diagonal-decay maps with the best available kernel (today :func:`decay_maps_blocked`, on every device).
+
+    Args:
+        log_decay: (B, L, C) ≥ 0.  log_q, log_k, log_diag, row_weight, col_weight: (B, L, C) or None.
+        conv_weight: (C, K) or None.  segments: (B, L) integer ids or None.  rows: None or (R,).
+        reduce: "mean" | "sum" | "abs_mean" | None.  out_dtype: default log_decay's dtype.
+    Returns:
+        (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``.
+    """
+    return decay_maps_blocked(log_decay, log_q, log_k, log_diag=log_diag, row_weight=row_weight,
+                              col_weight=col_weight, conv_weight=conv_weight, segments=segments, rows=rows,
+                              reduce=reduce, out_dtype=out_dtype)

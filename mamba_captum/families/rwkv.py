@@ -1,0 +1,126 @@
+"""RWKV-4: RwkvSelfAttention (the time-mixing block).
+
+Forward (transformers 5.23, ``RwkvSelfAttention.forward``): token shift ``s_t = h_{t−1}`` (0 at t = 0); ``k = key(h·μ_k
++ s·(1−μ_k))``, likewise v and r; ``r = σ(r)``; ``wkv = WKV(w = exp(time_decay), u = time_first, k, v)``;
+``out = output(r · wkv)``. Only the mixer input is taken from hooks; k, v, r and the WKV weights are recomputed.
+
+hidden:  α_c[t, j] = exp(k_j − (t−1−j) w) / Z_t (j < t),  exp(u + k_t) / Z_t (j = t); rows sum to 1.   over v.
+unified: H_c = diag(σ(r_c)) · α_c (Zimerman et al., Eq. 21)                                        over v.
+
+Z_t is formed in log space (a log-cumulative-sum-exp, float64), so keys of any magnitude are safe. The token shift
+is not folded into the operator: v_t mixes h_t and h_{t−1} with per-input-channel weights μ_v before the dense
+``value`` projection, so v_c is not a per-channel filter of any single per-token input (docs/families/rwkv.md).
+
+HF ignores ``attention_mask`` for RWKV: left padding changes what the real tokens see, so it is refused
+(``IGNORES_ATTENTION_MASK``); with right padding the real tokens are exact and pad rows and columns are zeroed.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.scans import decay_scan_reference
+from ..operators import DecayOperator
+
+MIXER_CLASSES = ("RwkvSelfAttention",)
+IGNORES_ATTENTION_MASK = True
+
+
+def log_normaliser(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """log Z_t = log(Σ_{j<t} exp(k_j − (t−1−j) w) + exp(u + k_t)), float64, by a log-cumulative-sum-exp.
+
+    Args:
+        k: (B, L, C) keys.  w: (C,) decay rates exp(time_decay).  u: (C,) time_first.
+    Returns:
+        (B, L, C) float64.
+    """
+    k, w, u = k.double(), w.double(), u.double()
+    steps = torch.arange(k.shape[1], dtype=torch.float64, device=k.device)[None, :, None]
+    through = torch.logcumsumexp(k + (steps + 1) * w, dim=1)  # log Σ_{j≤t} exp(k_j + (j+1) w)
+    earlier = torch.cat([torch.full_like(through[:, :1], float("-inf")), through[:, :-1]], dim=1) - steps * w
+    return torch.logaddexp(earlier, u + k)
+
+
+def token_shifted(mixer, hidden):
+    """k, v (model dtype) and r = σ(receptance) as RwkvSelfAttention.extract_key_value computes them, no state."""
+    shifted = F.pad(hidden, (0, 0, 1, -1))  # = mixer.time_shift(hidden): h_{t−1}, zero at t = 0
+    mix = lambda mu: hidden * mu + shifted * (1 - mu)  # noqa: E731
+    key = F.linear(mix(mixer.time_mix_key), mixer.key.weight, mixer.key.bias)
+    value = F.linear(mix(mixer.time_mix_value), mixer.value.weight, mixer.value.bias)
+    receptance = torch.sigmoid(F.linear(mix(mixer.time_mix_receptance), mixer.receptance.weight,
+                                        mixer.receptance.bias))
+    return key, value, receptance
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`DecayOperator` and the mixer output recomputed from it, (B, L, D_model).
+    """
+    mixer = call.located.module
+    hidden = call.hidden_states
+    batch, length, _ = hidden.shape
+    key, value, receptance = token_shifted(mixer, hidden)
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    k, v, r = w(key), w(value), w(receptance)
+    decay = torch.exp(w(mixer.time_decay))  # (C,)
+    first = w(mixer.time_first)
+    log_z = log_normaliser(k, decay, first)
+    log_decay = decay.expand_as(k)
+    log_q, log_k, log_diag = -log_z, k + decay, first + k - log_z
+    wkv = decay_scan_reference(v, log_decay, log_q, log_k, log_diag)
+    rebuilt = mixer.output((r * wkv).to(hidden.dtype))
+
+    mask = None if call.attention_mask is None else w(call.attention_mask)
+    weight = mixer.output.weight.to(torch.float64)
+    bias = None if mixer.output.bias is None else mixer.output.bias.to(torch.float64)
+    common = dict(log_decay=log_decay, log_q=log_q, log_k=log_k, log_diag=log_diag, segments=None, mask=mask,
+                  values=v, s6="s6" in components)
+    if formulation == "hidden":  # the operator's output is the WKV; the receptance gate comes after it
+        r64 = r.double()
+        return DecayOperator(**common, output=wkv, readout=lambda y: F.linear(r64 * y, weight, bias)), rebuilt
+    row = r if "gate" in components else None
+    operator = DecayOperator(**common, row_weight=row, output=r * wkv,
+                             readout=lambda y: F.linear(y, weight, bias))
+    return operator, rebuilt
+
+
+@contextlib.contextmanager
+def preserved_rescaling(model):
+    """Leave RWKV's weights as they were, whatever forward passes run inside.
+
+    ``RwkvModel.forward`` divides ``attention.output`` and ``feed_forward.value`` weights of block i in place by
+    2^(i // rescale_every) on the first eval forward (and multiplies them back on a train forward) and flips
+    ``layers_are_rescaled``. Inside this context the real forward still runs as HF runs it (the explained output is
+    the one the user gets); on exit any flip made here is undone by the exact inverse power-of-two scaling, so the
+    user's next forward rescales once, as it would have without the library.
+    """
+    models = [m for m in model.modules() if hasattr(m, "layers_are_rescaled") and hasattr(m, "blocks")]
+    before = [m.layers_are_rescaled for m in models]
+    try:
+        yield
+    finally:
+        for module, was_rescaled in zip(models, before):
+            if module.layers_are_rescaled != was_rescaled:
+                _undo_rescaling(module, was_rescaled)
+
+
+def _undo_rescaling(module, was_rescaled: bool):
+    every = module.config.rescale_every
+    if every > 0:
+        with torch.no_grad():
+            for index, block in enumerate(module.blocks):
+                for linear in (block.attention.output, block.feed_forward.value):
+                    if hasattr(linear.weight, "SCB") or hasattr(linear.weight, "quant_state"):
+                        raise NotImplementedError(
+                            "mamba_captum: this RWKV model is quantized and was rescaled by its own forward; the "
+                            "library cannot undo that exactly. Run one forward pass in eval mode before explaining.")
+                    factor = 2 ** (index // every)
+                    if was_rescaled:  # a train-mode forward multiplied the weights back
+                        linear.weight.div_(factor)
+                    else:  # an eval-mode forward divided them
+                        linear.weight.mul_(factor)
+    module.layers_are_rescaled = was_rescaled
