@@ -1,9 +1,9 @@
 """mamba-captum: implicit-attention explanations for Mamba-family and hybrid transformers models."""
 from .attention import ReconstructionError, build_operators, implicit_attention
-from .attr import MambaAttribution, MambaRawAttention, MambaRollout
+from .attr import MambaAttribution, MambaRawAttention, MambaRollout, RWKVAttribution
 from .families import SUPPORTED_MIXERS
 from .viz import to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "SUPPORTED_MIXERS", "MambaAttribution",
-           "MambaRawAttention", "MambaRollout", "to_visualization_record"]
+           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "to_visualization_record"]
 __version__ = "0.1.0"

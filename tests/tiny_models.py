@@ -48,13 +48,23 @@ CONFIGS = {
         num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=2,
         num_experts_per_tok=1, shared_intermediate_size=64, **_mamba2_hybrid())),
 }
+# Families whose mixers ignore attention_mask (right padding only): kept apart from CONFIGS, whose tests pad left.
+RECURRENT_CONFIGS = {
+    "rwkv": lambda: tf.RwkvConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, attention_hidden_size=32,
+                                  intermediate_size=64, context_length=64, rescale_every=2, pad_token_id=0,
+                                  bos_token_id=1, eos_token_id=2),
+    "recurrent_gemma": lambda: tf.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, lru_width=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, attention_window_size=6, conv1d_width=4,
+        block_types=["recurrent", "recurrent", "attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
+}
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 
 def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "eager", **overrides):
     """A tiny random causal LM of ``family`` in eval mode. Overrides are set on the config."""
-    config = CONFIGS[family]()
+    config = {**CONFIGS, **RECURRENT_CONFIGS}[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = attn_implementation

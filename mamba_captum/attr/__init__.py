@@ -3,6 +3,7 @@ from ._base import RECIPES, ImplicitAttentionMethod
 from .attribution import GRADIENT_RULES, MambaAttribution
 from .raw_attention import MambaRawAttention
 from .rollout import MambaRollout
+from .rwkv_attribution import RWKVAttribution
 
 __all__ = ["GRADIENT_RULES", "RECIPES", "ImplicitAttentionMethod", "MambaAttribution", "MambaRawAttention",
-           "MambaRollout"]
+           "MambaRollout", "RWKVAttribution"]
