@@ -338,3 +338,15 @@ def test_continuing_a_cached_prefix_is_refused():
         mc.implicit_attention(model, ids[:, 4:], state=state)
     with pytest.raises(ValueError, match="state= continues a cached prefix"):
         mc.MambaRollout(model).attribute(ids[:, 4:], additional_forward_args={"state": state})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype,maps_dtype", [(torch.float64, torch.float64), (torch.bfloat16, torch.float32)])
+def test_model_dtypes(family, dtype, maps_dtype):
+    model = make_model(family, dtype=dtype)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    _, _, errors = mc.build_operators(model, ids)
+    assert max(errors.values()) < (1e-6 if dtype == torch.float64 else 5e-2)
+    maps = mc.implicit_attention(model, ids)
+    assert all(m.dtype == maps_dtype for m in maps.values())
+    assert mc.MambaAttribution(model).attribute(ids, target=3).dtype == maps_dtype

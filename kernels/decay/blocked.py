@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .naive import validate_inputs
 
-TILE = 64  # columns per tile of the reduced maps
+TILE = 32  # columns per tile of the reduced maps (diagonal tiles cost L·TILE·C exponentials)
 _WORKING_ELEMENTS = 1 << 22  # elements of one float64 (B, rows, cols, channels) exponent block
 _FULL_MAP_ROWS = 16  # above this many query rows the full reduced map (one pass of GEMMs) is cheaper
 
@@ -100,23 +100,27 @@ def direct_alpha(inputs: _Inputs, col: Optional[Tensor], query: Tensor, c0: int,
     """row · α · col of channels [c0, c1) at query rows ``query`` (R,), columns [col_start, col_stop):
     (B, R, cols, c).
 
-    Every exponent is formed per element (no factorisation). Segments are not applied here.
+    Every exponent is formed per element (no factorisation), as (log_q_i − S'_i) + (log_k_j + S'_j) with S' = S
+    relative to the first column (small numbers: no cancellation). Segments are not applied here.
     """
-    cols = slice(col_start, inputs.shape[1] if col_stop is None else col_stop)
+    stop = inputs.shape[1] if col_stop is None else col_stop
     chan = slice(c0, c1)
-    S = inputs.S[..., chan]
-    exponent = (inputs.log_q[:, query, None, chan] + inputs.log_k[:, None, cols, chan]
-                - (S[:, query, None] - S[:, None, cols]))
-    columns = torch.arange(inputs.shape[1], device=S.device)[cols]
-    strict = (query[:, None] > columns[None, :])[None, :, :, None]
-    exponent = torch.where(strict, exponent, exponent.new_tensor(float("-inf")))
-    on_diagonal = (query[:, None] == columns[None, :])[None, :, :, None]
-    exponent = torch.where(on_diagonal, inputs.log_diag[:, query, None, chan], exponent)
+    S = inputs.S[..., chan] - inputs.S[:, col_start:col_start + 1, chan]
+    exponent = (inputs.log_q[:, query, chan] - S[:, query])[:, :, None] + \
+        (inputs.log_k[:, col_start:stop, chan] + S[:, col_start:stop])[:, None]
+    columns = torch.arange(col_start, stop, device=S.device)
+    above = torch.zeros(query.numel(), stop - col_start, dtype=S.dtype, device=S.device)
+    above.masked_fill_(query[:, None] <= columns[None, :], float("-inf"))  # j ≥ i: the diagonal is set below
+    exponent += above[None, :, :, None]
     alpha = exponent.exp_()
+    on_diagonal = ((query >= col_start) & (query < stop)).nonzero().flatten()
+    if on_diagonal.numel():
+        picked = query[on_diagonal]
+        alpha[:, on_diagonal, picked - col_start] = inputs.log_diag[:, picked, chan].exp()
     if inputs.row is not None:
         alpha *= inputs.row[:, query, None, chan]
     if col is not None:
-        alpha *= col[:, None, cols, chan]
+        alpha *= col[:, None, col_start:stop, chan]
     return alpha
 
 
