@@ -22,6 +22,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..selective.naive import apply_conv_columns
 from .naive import validate_inputs
 
 TILE = 32  # columns per tile of the reduced maps (diagonal tiles cost L·TILE·C exponentials)
@@ -185,20 +186,11 @@ def _channel_maps(inputs: _Inputs, col, conv_weight, rows, reduce) -> Tensor:
             maps *= mask[..., None]
         maps = maps.permute(0, 3, 1, 2)  # (B, c, R, L)
         if conv_weight is not None:
-            maps = _conv_columns(maps, conv_weight[c0:c1])
+            maps = apply_conv_columns(maps, conv_weight[c0:c1])
         if reduce is None:
             out[:, c0:c1] = maps
         else:
             out += maps.abs().sum(1)
     if reduce == "abs_mean":
         out /= channels
-    return out
-
-
-def _conv_columns(maps: Tensor, conv_weight: Tensor) -> Tensor:
-    """``maps @ M_c``, M_c[t, s] = w[c, K−1−(t−s)]: (B, c, R, L) -> (B, c, R, L), band by band."""
-    taps, length = conv_weight.shape[1], maps.shape[-1]
-    out = torch.zeros_like(maps)
-    for lag in range(min(taps, length)):
-        out[..., :length - lag] += conv_weight[:, taps - 1 - lag, None, None] * maps[..., lag:]
     return out
