@@ -1,9 +1,10 @@
 """mamba-captum: implicit-attention explanations for Mamba-family and hybrid transformers models."""
 from .attention import ReconstructionError, build_operators, implicit_attention
 from .attr import MambaAttribution, MambaRawAttention, MambaRollout, RWKVAttribution
+from .fast_scans import fast_scans
 from .families import SUPPORTED_MIXERS
 from .viz import to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "SUPPORTED_MIXERS", "MambaAttribution",
-           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "to_visualization_record"]
+           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans", "to_visualization_record"]
 __version__ = "0.1.0"

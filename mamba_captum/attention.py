@@ -7,6 +7,7 @@ import torch
 
 from . import families
 from .capture import LayerCapture
+from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, SumOperator, operator_output_grad
 
@@ -71,7 +72,7 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
         forward_kwargs["attention_mask"] = attention_mask
     forward_kwargs.setdefault("use_cache", False)
     families.check_forward(mixers, attention_mask, forward_kwargs)
-    with LayerCapture(decoder_layers, mixers, layers) as capture:
+    with fast_scans(model), LayerCapture(decoder_layers, mixers, layers) as capture:
         output = model(**forward_kwargs)
     return capture.trace, output, decoder_layers, kept
 

@@ -185,7 +185,9 @@ def test_reduced_maps_equal_reductions_of_per_channel_maps(family, formulation):
                 continue  # FalconH1's reduce=None concatenates its two parts; checked below
             expected = fn(full[key])
             assert (reduced[key] - expected).abs().max() <= 1e-6 * max(1.0, expected.abs().max().item())
-            assert torch.allclose(some[key], reduced[key][:, [0, 11, 5, 5]], atol=1e-6, rtol=1e-5)
+            # the rows path is another summation order: float32 rounding relative to the map's largest entry
+            scale = max(1.0, reduced[key].abs().max().item())
+            assert (some[key] - reduced[key][:, [0, 11, 5, 5]]).abs().max() <= 1e-6 * scale
 
 
 def test_falcon_h1_layer_is_scaled_sum_of_its_parts():

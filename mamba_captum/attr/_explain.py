@@ -14,6 +14,7 @@ import torch
 from .. import families
 from ..attention import FORMULATIONS, _operators
 from ..capture import LayerCapture
+from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
 
 
@@ -267,7 +268,7 @@ class Runner:
         families.check_forward(self.mixers, attention_mask, keywords)
         self._active.add(capture)
         try:
-            with torch.set_grad_enabled(need_grad), capture:
+            with torch.set_grad_enabled(need_grad), fast_scans(self.model), capture:
                 output = self._call(inputs, attention_mask is not None, attention_mask, additional_forward_args,
                                     forward_kwargs)
         finally:

@@ -1,0 +1,106 @@
+"""A fast, exact, differentiable Mamba-1 selective scan in plain torch: explicit forward and backward, linear in L.
+
+Forward: the recurrence ``h_t = a_t h_{t−1} + b_t`` (a = exp(Δ A), b = Δ B u; per channel d and state n) one
+token at a time on (B, D, N) slices, with no autograd graph; only the states at chunk starts are kept. Backward:
+chunks in reverse; each chunk's states are recomputed from its start state, then the adjoint runs backwards,
+``λ_t = C_t g_t + a_{t+1} λ_{t+1}``, and the gradients of the chunk are contractions of (B, D, T, N) slabs:
+
+    ∂C_t = Σ_d g_t h_t,   ∂b_t = λ_t,   ∂a_t = λ_t h_{t−1}   (→ ∂Δ, ∂A through a = exp(Δ A); ∂Δ, ∂B, ∂u through b).
+
+Every step is a few element-wise ops over (B, D, N): time O(L·B·D·N) forward and backward, against HF's autograd
+of the loop, whose backward writes a full (B, D, L, N) gradient for every token. Numerics follow HF's torch path
+(float32 decays and states; float64 for float64 inputs).
+"""
+from __future__ import annotations
+
+import torch
+
+from .naive import _finish, _prepare, accumulation_dtype
+
+CHUNK = 64  # tokens per chunk: the backward holds (B, D, CHUNK, N) slabs
+
+
+class _SelectiveScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, chunk):
+        batch, channels, length = u.shape
+        acc = accumulation_dtype(u)
+        state = torch.zeros(batch, channels, A.shape[1], dtype=acc, device=u.device)
+        starts, y = [], torch.empty(batch, channels, length, dtype=acc, device=u.device)
+        for t0 in range(0, length, chunk):
+            t1 = min(length, t0 + chunk)
+            starts.append(state)
+            decay, inputs = _slabs(u, delta, A, B, t0, t1)
+            states = _run(decay, inputs, state)  # (B, D, T, N)
+            y[:, :, t0:t1] = torch.einsum("bdtn,bnt->bdt", states, C[:, :, t0:t1].to(acc))
+            state = states[:, :, -1]
+        ctx.save_for_backward(u, delta, A, B, C, *starts)
+        ctx.chunk = chunk
+        return y.to(u.dtype), state
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_last):
+        u, delta, A, B, C, *starts = ctx.saved_tensors
+        chunk, length, acc = ctx.chunk, u.shape[-1], accumulation_dtype(u)
+        grads = [torch.zeros_like(t, dtype=acc) for t in (u, delta, A, B, C)]
+        grad_u, grad_delta, grad_A, grad_B, grad_C = grads
+        carried = grad_last.to(acc) if grad_last is not None else torch.zeros_like(starts[0])  # λ after the chunk
+        next_decay = None
+        for index in reversed(range(len(starts))):
+            t0 = index * chunk
+            t1 = min(length, t0 + chunk)
+            decay, inputs = _slabs(u, delta, A, B, t0, t1)
+            states = _run(decay, inputs, starts[index])
+            g = grad_y[:, :, t0:t1].to(acc)
+            c = C[:, :, t0:t1].to(acc)
+            grad_C[:, :, t0:t1] = torch.einsum("bdt,bdtn->bnt", g, states)
+            adjoint = g[..., None] * c.transpose(1, 2)[:, None]  # C_t g_t: (B, D, T, N), becomes λ in place
+            if next_decay is not None:
+                carried = carried * next_decay
+            for t in reversed(range(t1 - t0)):
+                carried = adjoint[:, :, t].add_(carried)
+                if t:
+                    carried = carried * decay[:, :, t]
+            next_decay = decay[:, :, 0]
+            previous = torch.cat([starts[index][:, :, None], states[:, :, :-1]], dim=2)  # h_{t−1}
+            grad_decay = adjoint * previous * decay  # ∂/∂(Δ A) of a = exp(Δ A)
+            d, x, b = delta[:, :, t0:t1].to(acc), u[:, :, t0:t1].to(acc), B[:, :, t0:t1].to(acc)
+            grad_A += torch.einsum("bdtn,bdt->dn", grad_decay, d)
+            grad_inputs = torch.einsum("bdtn,bnt->bdt", adjoint, b)  # ∂(Δ u)
+            grad_delta[:, :, t0:t1] = torch.einsum("bdtn,dn->bdt", grad_decay, A.to(acc)) + grad_inputs * x
+            grad_u[:, :, t0:t1] = grad_inputs * d
+            grad_B[:, :, t0:t1] = torch.einsum("bdtn,bdt->bnt", adjoint, d * x)
+        return (grad_u.to(u.dtype), grad_delta.to(delta.dtype), grad_A.to(A.dtype), grad_B.to(B.dtype),
+                grad_C.to(C.dtype), None)
+
+
+def _slabs(u, delta, A, B, t0, t1):
+    """Decays exp(Δ A) and inputs Δ B u of tokens [t0, t1): (B, D, T, N) in the accumulation dtype."""
+    acc = accumulation_dtype(u)
+    d = delta[:, :, t0:t1].to(acc)
+    decay = torch.exp(d[..., None] * A.to(acc)[:, None, :])
+    inputs = (d * u[:, :, t0:t1].to(acc))[..., None] * B[:, None, :, t0:t1].to(acc).transpose(2, 3)
+    return decay, inputs
+
+
+def _run(decay, inputs, state):
+    """States h_t of one chunk from its start state, in place in ``inputs``: (B, D, T, N)."""
+    for t in range(inputs.shape[2]):
+        state = inputs[:, :, t].addcmul_(decay[:, :, t], state)
+    return inputs
+
+
+def selective_scan_chunked(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                           return_last_state=False, chunk: int = CHUNK, **kwargs):
+    """mamba-ssm's ``selective_scan_fn``, differentiable, forward and backward linear in L (see module docstring).
+
+    Args:
+        u, delta: (B, D, L).  A: (D, N).  B, C: (B, N, L).  D: (D,) or None.  z: (B, D, L) or None.
+        delta_bias: (D,) or None.  delta_softplus: apply softplus to delta (+ bias).
+    Returns:
+        y (B, D, L) in u's dtype; with ``return_last_state`` also the last state (B, D, N) float32 (float64 for float64 inputs).
+    """
+    delta = _prepare(delta, delta_bias, delta_softplus)
+    y, last = _SelectiveScan.apply(u, delta, A, B, C, chunk)
+    y = _finish(y, u, D, z)
+    return (y, last) if return_last_state else y

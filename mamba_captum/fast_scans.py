@@ -1,0 +1,62 @@
+"""``fast_scans``: run HF's Mamba-1 selective scan on a fast, exact, differentiable implementation.
+
+HF's torch path (``mamba_selective_scan`` in ``modeling_mamba``, ``modeling_falcon_mamba``, ``modeling_jamba``) is a
+per-token loop under autograd whose backward grows faster than L; gradient methods (ours, and Captum's own
+baselines) spend nearly all their time there. Inside ``fast_scans()`` these module-level functions — which the
+mixers look up at call time — are replaced by a dispatcher: CPU tensors go to
+:func:`mamba_captum.kernels.selective_scan.selective_scan_chunked` (explicit forward and backward, linear in L,
+equal to HF's path to float rounding), CUDA tensors to the function that was there (mamba-ssm's kernel when it is
+installed). Everything is restored on exit, whatever happened. The library enters it around its own forward passes.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+from .kernels.selective_scan import selective_scan_chunked
+
+SCAN_MODULES = {
+    "MambaMixer": "transformers.models.mamba.modeling_mamba",
+    "FalconMambaMixer": "transformers.models.falcon_mamba.modeling_falcon_mamba",
+    "JambaMambaMixer": "transformers.models.jamba.modeling_jamba",
+}
+
+
+def _dispatcher(original):
+    def mamba_selective_scan(hidden_states, *args, **kwargs):
+        if hidden_states.device.type == "cpu":
+            return selective_scan_chunked(hidden_states, *args, **kwargs)
+        return original(hidden_states, *args, **kwargs)
+
+    mamba_selective_scan.original = original
+    return mamba_selective_scan
+
+
+@contextlib.contextmanager
+def fast_scans(model=None):
+    """Swap HF's Mamba-1 selective scans for the fast ones while the context is open (see the module docstring).
+
+    Args:
+        model: only the scan modules of the mixers this model contains are swapped; None swaps all three.
+
+    Example::
+
+        with mc.fast_scans(model):
+            LayerIntegratedGradients(forward, model.backbone.embeddings).attribute(ids, target=t, n_steps=50)
+    """
+    if model is None:
+        names = list(SCAN_MODULES.values())
+    else:
+        present = {type(m).__name__ for m in model.modules()}
+        names = [path for mixer, path in SCAN_MODULES.items() if mixer in present]
+    swapped = []
+    try:
+        for name in names:
+            module = importlib.import_module(name)
+            original = module.mamba_selective_scan
+            module.mamba_selective_scan = _dispatcher(original)
+            swapped.append((module, original))
+        yield
+    finally:
+        for module, original in reversed(swapped):
+            module.mamba_selective_scan = original

@@ -1,0 +1,93 @@
+"""The fast differentiable Mamba-1 scan: equal to the per-token loop and to HF's own torch path (outputs and every
+gradient), and ``fast_scans`` swaps HF's module-level scans only while it is open."""
+import pytest
+import torch
+import transformers.models.falcon_mamba.modeling_falcon_mamba as hf_falcon_mamba
+import transformers.models.jamba.modeling_jamba as hf_jamba
+import transformers.models.mamba.modeling_mamba as hf_mamba
+from conftest import relative_error
+from test_identities import liven
+from tiny_models import MAMBA1, VOCAB, make_model
+
+import mamba_captum as mc
+from mamba_captum.kernels.selective_scan import selective_scan_chunked, selective_scan_naive
+
+SCAN_MODULES = (hf_mamba, hf_falcon_mamba, hf_jamba)
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def scan_inputs(length, dtype, batch=2, channels=6, state=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=dtype)  # noqa: E731
+    tensors = dict(u=r(batch, channels, length), delta=r(batch, channels, length),
+                   A=-torch.rand(channels, state, generator=g, dtype=dtype) * 4, B=r(batch, state, length),
+                   C=r(batch, state, length), D=r(channels), z=r(batch, channels, length), delta_bias=r(channels))
+    return {k: v.requires_grad_() for k, v in tensors.items()}, r(batch, channels, length), r(batch, channels, state)
+
+
+def outputs_and_grads(fn, length, dtype, options, **kw):
+    tensors, grad_y, grad_last = scan_inputs(length, dtype)
+    used = {k: v for k, v in tensors.items() if k in ("u", "delta", "A", "B", "C") or k in options}
+    y, last = fn(used.pop("u"), used.pop("delta"), used.pop("A"), used.pop("B"), used.pop("C"), **used,
+                 delta_softplus="softplus" in options, return_last_state=True, **kw)
+    loss = (y * grad_y).sum() + (last * grad_last.to(last.dtype)).sum()
+    inputs = [tensors[k] for k in NAMES if k in ("u", "delta", "A", "B", "C") or k in options]
+    return [y, last, *torch.autograd.grad(loss, inputs)]
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 150])
+@pytest.mark.parametrize("options", [(), ("D", "z", "delta_bias", "softplus")])
+def test_chunked_equals_the_per_token_loop_in_float64(length, options):
+    expected = outputs_and_grads(selective_scan_naive, length, torch.float64, options)
+    got = outputs_and_grads(selective_scan_chunked, length, torch.float64, options, chunk=32)
+    for a, b in zip(got, expected):
+        assert relative_error(a, b) < 1e-12
+
+
+def test_chunked_equals_hfs_torch_path():
+    options = ("D", "z", "delta_bias", "softplus")
+    expected = outputs_and_grads(hf_mamba.mamba_selective_scan, 100, torch.float32, options)
+    got = outputs_and_grads(selective_scan_chunked, 100, torch.float32, options)
+    for a, b in zip(got, expected):
+        assert relative_error(a, b) < 1e-5
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, use_cache=False).logits
+    logits[:, -1].logsumexp(-1).sum().backward()
+    return [logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("family", MAMBA1)
+def test_models_give_hfs_outputs_and_gradients_on_the_fast_scan(family):
+    model = liven(make_model(family))
+    ids = torch.randint(3, VOCAB, (2, 40))
+    expected = logits_and_grads(model, ids)
+    with mc.fast_scans(model):
+        got = logits_and_grads(model, ids)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert relative_error(a, b) < 1e-5
+
+
+def test_swapped_only_inside_and_restored_on_every_exit():
+    originals = [m.mamba_selective_scan for m in SCAN_MODULES]
+    with mc.fast_scans():
+        assert all(m.mamba_selective_scan.original is o for m, o in zip(SCAN_MODULES, originals))
+        with mc.fast_scans(make_model("mamba")):  # nested, and only the model's own family
+            assert hf_mamba.mamba_selective_scan.original is not originals[0]
+            assert hf_jamba.mamba_selective_scan.original is originals[2]
+        assert hf_mamba.mamba_selective_scan.original is originals[0]
+    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
+    with pytest.raises(RuntimeError, match="boom"), mc.fast_scans():
+        raise RuntimeError("boom")
+    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
+
+
+def test_non_cpu_tensors_go_to_the_function_that_was_there(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hf_mamba, "mamba_selective_scan", lambda *args, **kwargs: calls.append(args[0].device))
+    with mc.fast_scans(make_model("mamba")):
+        hf_mamba.mamba_selective_scan(torch.empty(1, 2, 3, device="meta"))
+    assert calls == [torch.device("meta")]
