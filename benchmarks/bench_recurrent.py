@@ -67,7 +67,6 @@ def main():
               rows)
         for label, seconds in rows:
             print(f"| {name} | {params / 1e6:.0f}M | {label} | {seconds:.1f} |", flush=True)
-        del model
 
 
 if __name__ == "__main__":

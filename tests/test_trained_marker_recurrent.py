@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 
 import mamba_captum as mc
-from test_trained_marker import ANSWERS, LENGTH, hits, sequences
+from test_trained_marker import ANSWERS, hits, sequences
 
 VOCAB = int(ANSWERS.max()) + 1
 HYBRID = ("recurrent", "attention")  # an RG-LRU block, then a local-attention block (window > LENGTH: full causal)

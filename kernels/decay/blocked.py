@@ -79,9 +79,9 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
         for tau, tap in taps:  # H[i, s] = Σ_τ (row α col)[i, s + τ] · w[K−1−τ]
             tap_col = col if tap is None else (tap.expand(log_decay.shape) if col is None else col * tap)
             part = reduced_alpha(inputs, tap_col, rows)
-            if out is None:
-                out = part if tau == 0 else torch.zeros_like(part)
-            if tau:
+            if out is None:  # tau = 0 comes first
+                out = part
+            else:
                 out[..., :length - tau] += part[..., tau:]
         if reduce == "mean":
             out = out / log_decay.shape[-1]

@@ -308,7 +308,7 @@ class _Blocked:
         (j < leaf − d); step d leaves Z[leaf − 1 − d] final, so the end result is the relative keys. The sum over n
         runs across contiguous channel rows.
         """
-        leaf, (batch, n_leaves, _, state, channels) = self.leaf, queries.shape
+        leaf, (batch, n_leaves, _, _, channels) = self.leaf, queries.shape
         maps = ws.zeros("leaf_maps", (batch, n_leaves, leaf, leaf, channels))  # only j ≤ t is ever written
         products = ws.get("product", keys.shape)
         for d in range(leaf):

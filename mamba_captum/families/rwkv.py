@@ -62,7 +62,6 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     """
     mixer = call.located.module
     hidden = call.hidden_states
-    batch, length, _ = hidden.shape
     key, value, receptance = token_shifted(mixer, hidden)
     w = lambda t: t.to(work_dtype)  # noqa: E731
     k, v, r = w(key), w(value), w(receptance)
