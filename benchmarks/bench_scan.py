@@ -3,9 +3,11 @@
 Per layer: one MambaMixer-sized scan (D = 1536, N = 16, batch 1) through ``mamba_selective_scan`` (HF) and
 ``selective_scan_chunked``, forward then backward of a sum. Per model: a random mamba-130m config (24 layers),
 forward + backward of one logit, HF's path (only at the lengths given to --hf-lengths) and inside
-``mc.fast_scans(model)``; then ``MambaAttribution`` end to end (its forward runs on the fast scan).
+``mc.fast_scans(model)``; then ``MambaAttribution`` end to end (its forward runs on the fast scan), and Captum's
+``LayerIntegratedGradients`` (embeddings, 50 steps, internal batch 10) inside ``mc.fast_scans(model)`` at the
+lengths given to --ig-lengths.
 
-Run:  python benchmarks/bench_scan.py [--lengths 128 512 1024] [--hf-lengths 128]
+Run:  python benchmarks/bench_scan.py [--lengths 128 512 1024] [--hf-lengths 128] [--ig-lengths 128 512]
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 import torch
 import transformers as tf
 import transformers.models.mamba.modeling_mamba as hf_mamba
+from captum.attr import LayerIntegratedGradients
 
 import mamba_captum as mc
 from mamba_captum.kernels.selective_scan import selective_scan_chunked
@@ -49,6 +52,7 @@ def main():
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 1024])
     parser.add_argument("--hf-lengths", nargs="*", type=int, default=[128])
     parser.add_argument("--hf-layer-lengths", nargs="*", type=int, default=[128, 512])
+    parser.add_argument("--ig-lengths", nargs="*", type=int, default=[128, 512])
     args = parser.parse_args()
     tf.logging.set_verbosity_error()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -71,6 +75,14 @@ def main():
         mc.MambaAttribution(model).attribute(ids, target=7)
         print(f"| MambaAttribution (default rule), end to end | {length} | — | {time.perf_counter() - start:.1f} |",
               flush=True)
+        if length in args.ig_lengths:
+            lig = LayerIntegratedGradients(lambda x: model(x, use_cache=False).logits[:, -1],
+                                           model.backbone.embeddings)
+            start = time.perf_counter()
+            with mc.fast_scans(model):
+                lig.attribute(ids, target=7, n_steps=50, internal_batch_size=10)
+            print(f"| Captum LayerIntegratedGradients, 50 steps | {length} | — | {time.perf_counter() - start:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,9 @@
+import os
+
+# Triton kernels run on CPU through Triton's interpreter (exact, slow); it is chosen when the kernels are defined,
+# so before anything imports them. Run with TRITON_INTERPRET=0 on a CUDA machine to test the compiled kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import sys
 from pathlib import Path
 

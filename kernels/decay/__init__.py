@@ -11,19 +11,26 @@ u + k − log Z. RG-LRU: log_decay = −log a, col_weight = √(1 − a²) · in
 
 - :func:`decay_maps_naive` — the full float64 (B, C, L, L) stack: the test reference.
 - :func:`decay_maps_blocked` — tiled GEMMs for reduced maps, every exponent ≤ 0 (no overflow for large keys).
-- :func:`decay_maps` — the dispatcher the library calls.
+- :func:`decay_maps_triton` — the shared Triton tile kernel (:mod:`kernels.triton_maps`), for CUDA.
+- :func:`decay_maps` — the dispatcher the library calls (:mod:`kernels.dispatch`).
 """
 from __future__ import annotations
 
+import functools
+
+import torch
+
+from ..dispatch import precision, use_triton
 from .blocked import decay_maps_blocked
 from .naive import decay_maps_naive
+from .triton import decay_maps_triton
 
-__all__ = ["decay_maps", "decay_maps_blocked", "decay_maps_naive"]
+__all__ = ["decay_maps", "decay_maps_blocked", "decay_maps_naive", "decay_maps_triton"]
 
 
 def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=None, col_weight=None,
                conv_weight=None, segments=None, rows=None, reduce="mean", out_dtype=None):
-    """Diagonal-decay maps with the best available kernel (today :func:`decay_maps_blocked`, on every device).
+    """Diagonal-decay maps with the best available kernel: Triton for CUDA float32 maps, else blocked torch.
 
     Args:
         log_decay: (B, L, C) ≥ 0.  log_q, log_k, log_diag, row_weight, col_weight: (B, L, C) or None.
@@ -32,6 +39,8 @@ def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=N
     Returns:
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``.
     """
-    return decay_maps_blocked(log_decay, log_q, log_k, log_diag=log_diag, row_weight=row_weight,
-                              col_weight=col_weight, conv_weight=conv_weight, segments=segments, rows=rows,
-                              reduce=reduce, out_dtype=out_dtype)
+    kernel = decay_maps_blocked
+    if (out_dtype or log_decay.dtype) == torch.float32 and use_triton(log_decay, torch.float32):
+        kernel = functools.partial(decay_maps_triton, precision=precision())
+    return kernel(log_decay, log_q, log_k, log_diag=log_diag, row_weight=row_weight, col_weight=col_weight,
+                  conv_weight=conv_weight, segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype)

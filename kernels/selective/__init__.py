@@ -12,24 +12,29 @@ with ``rows`` (R,) only those query rows: (B, R, L) / (B, D, R, L).
 
 - :func:`selective_maps_naive` — direct formula, the test reference.
 - :func:`selective_maps_blocked` — exact blocked GEMM algorithm (DESIGN §5) in plain torch.
-- :func:`selective_maps` — the dispatcher the library calls.
+- :func:`selective_maps_triton` — the shared Triton tile kernel (:mod:`kernels.triton_maps`), for CUDA.
+- :func:`selective_maps` — the dispatcher the library calls (:mod:`kernels.dispatch`).
 """
 from __future__ import annotations
+
+import functools
 
 from typing import Optional, Sequence, Union
 
 from torch import Tensor
 
+from ..dispatch import precision, use_triton
 from .blocked import selective_maps_blocked
 from .naive import selective_maps_naive
+from .triton import selective_maps_triton
 
-__all__ = ["selective_maps", "selective_maps_blocked", "selective_maps_naive"]
+__all__ = ["selective_maps", "selective_maps_blocked", "selective_maps_naive", "selective_maps_triton"]
 
 
 def selective_maps(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight: Optional[Tensor] = None,
                    col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
                    rows: Union[Tensor, Sequence[int], None] = None, reduce: Optional[str] = "mean") -> Tensor:
-    """Mamba-1 channel maps with the best available kernel (today the blocked torch one, on every device).
+    """Mamba-1 channel maps with the best available kernel: Triton for CUDA float32 tensors, else blocked torch.
 
     Args:
         delta: (B, L, D).  A: (D, N).  B, C: (B, L, N).  row_weight, col_weight: (B, L, D) or None.
@@ -38,5 +43,8 @@ def selective_maps(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight
     Returns:
         (B, L, L) reduced or (B, D, L, L) per channel; R rows instead of L with ``rows``. delta's dtype and device.
     """
-    return selective_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight,
-                                  conv_weight=conv_weight, rows=rows, reduce=reduce)
+    kernel = selective_maps_blocked
+    if use_triton(delta):
+        kernel = functools.partial(selective_maps_triton, precision=precision())
+    return kernel(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight, rows=rows,
+                  reduce=reduce)

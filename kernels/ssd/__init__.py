@@ -15,18 +15,23 @@ Inputs: delta (B, L, H), A (H,), B and C (B, L, G, N), row_weight and col_weight
 
 * :func:`ssd_maps_naive` — direct float64 formula, the test reference.
 * :func:`ssd_maps_blocked` — tiled, memory-bounded torch version (CPU).
-* :func:`ssd_maps` — dispatcher used by the library.
+* :func:`ssd_maps_triton` — the shared Triton tile kernel (:mod:`kernels.triton_maps`), for CUDA.
+* :func:`ssd_maps` — dispatcher used by the library (:mod:`kernels.dispatch`).
 """
 from __future__ import annotations
 
+import functools
+
+from ..dispatch import precision, use_triton
 from .blocked import ssd_maps_blocked
 from .naive import ssd_maps_naive
+from .triton import ssd_maps_triton
 
-__all__ = ["ssd_maps", "ssd_maps_blocked", "ssd_maps_naive"]
+__all__ = ["ssd_maps", "ssd_maps_blocked", "ssd_maps_naive", "ssd_maps_triton"]
 
 
 def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=None, rows=None, reduce="mean"):
-    """Mamba-2 implicit-attention maps with the best available kernel (today: :func:`ssd_maps_blocked`).
+    """Mamba-2 implicit-attention maps with the best available kernel: Triton for CUDA float32, else blocked.
 
     Args:
         delta: (B, L, H). A: (H,). B, C: (B, L, G, N). row_weight, col_weight: (B, L, H, P) or None.
@@ -35,5 +40,6 @@ def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=No
     Returns:
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``; dtype and device of delta.
     """
-    return ssd_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight,
-                            conv_weight=conv_weight, rows=rows, reduce=reduce)
+    kernel = functools.partial(ssd_maps_triton, precision=precision()) if use_triton(delta) else ssd_maps_blocked
+    return kernel(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight, rows=rows,
+                  reduce=reduce)

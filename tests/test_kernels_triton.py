@@ -1,0 +1,211 @@
+"""The Triton map kernels (kernels/triton_maps.py and its three family wrappers) against the float64 references.
+
+On CPU they run under TRITON_INTERPRET=1 (set in conftest.py); with TRITON_INTERPRET=0 on a CUDA machine the same
+tests run the compiled kernels. L = 72 with 32-token tiles makes the rows 64..71 × columns 0..31 tile take the GEMM
+path (every S6 column before every row, conv taps included); the tiles at the diagonal take the direct path.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import relative_error
+
+from mamba_captum.kernels.decay import decay_maps, decay_maps_naive, decay_maps_triton
+from mamba_captum.kernels.dispatch import kernel_settings, use_triton
+from mamba_captum.kernels.selective import selective_maps_naive, selective_maps_triton
+from mamba_captum.kernels.ssd import ssd_maps_naive, ssd_maps_triton
+from mamba_captum.kernels.triton_maps import channel_decay_maps_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+LENGTH = 72
+LATE_ROWS = [71, 64, 66, 66, 70]  # all after column tile 0: GEMM tiles in the rows path too
+MIXED_ROWS = [0, 71, 5, 40, 40, 33]
+REDUCES = ["mean", "sum", "abs_mean", None]
+TOLERANCE = 1e-5  # fp32 IEEE products, float64 exponents: measured ≤ 3e-7
+
+
+def _randn(*shape, scale=1.0):
+    return torch.randn(*shape, dtype=torch.float64) * scale
+
+
+def _on_device(kw):
+    return {k: (v.float().to(DEVICE) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in kw.items()}
+
+
+def _mamba1_inputs(weights, batch=2, channels=5, state=3, taps=4):
+    inputs = dict(delta=torch.rand(batch, LENGTH, channels, dtype=torch.float64) * 0.5,
+                  A=-torch.rand(channels, state, dtype=torch.float64) * 2, B=_randn(batch, LENGTH, state),
+                  C=_randn(batch, LENGTH, state))
+    if weights:
+        inputs.update(row_weight=_randn(batch, LENGTH, channels), col_weight=_randn(batch, LENGTH, channels),
+                      conv_weight=_randn(channels, taps))
+    return inputs
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["hidden", "unified"])
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("rows", [None, LATE_ROWS, MIXED_ROWS], ids=["full", "late_rows", "mixed_rows"])
+def test_selective_triton_equals_reference(weights, reduce, rows):
+    inputs = _mamba1_inputs(weights)
+    expected = selective_maps_naive(**inputs, rows=rows, reduce=reduce)
+    got = selective_maps_triton(**_on_device(inputs), rows=rows, reduce=reduce)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert relative_error(got.cpu(), expected) < TOLERANCE
+
+
+def test_selective_triton_large_decays_stay_finite():
+    # Σ delta·|A| reaches ~7000 over the sequence: factoring around a tile start would need exp(+thousands).
+    inputs = _mamba1_inputs(True)
+    inputs["delta"] = inputs["delta"] * 20
+    inputs["A"] = inputs["A"] * 10
+    expected = selective_maps_naive(**inputs, reduce="mean")
+    got = selective_maps_triton(**_on_device(inputs), reduce="mean").cpu()
+    assert torch.isfinite(got).all()
+    assert relative_error(got, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("weights", ["none", "col", "all"])
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("rows", [None, LATE_ROWS], ids=["full", "late_rows"])
+def test_ssd_triton_equals_reference(weights, reduce, rows):
+    batch, heads, groups, head_dim, state, taps = 2, 4, 2, 3, 5, 4
+    inputs = dict(delta=torch.rand(batch, LENGTH, heads, dtype=torch.float64) * 0.5,
+                  A=-torch.rand(heads, dtype=torch.float64) * 2, B=_randn(batch, LENGTH, groups, state),
+                  C=_randn(batch, LENGTH, groups, state))
+    if weights in ("col", "all"):
+        inputs["col_weight"] = _randn(batch, LENGTH, heads, head_dim)
+    if weights == "all":
+        inputs.update(row_weight=_randn(batch, LENGTH, heads, head_dim), conv_weight=_randn(heads, head_dim, taps))
+    expected = ssd_maps_naive(**inputs, rows=rows, reduce=reduce)
+    got = ssd_maps_triton(**_on_device(inputs), rows=rows, reduce=reduce)
+    assert got.shape == expected.shape
+    assert relative_error(got.cpu(), expected) < TOLERANCE
+
+
+def _rwkv_like(batch=2, channels=6, key_scale=30.0):
+    """WKV pieces with large keys and the true row normaliser, so every α ≤ 1 (rows sum to 1)."""
+    w = torch.rand(batch, LENGTH, channels, dtype=torch.float64) * 2
+    k = _randn(batch, LENGTH, channels, scale=key_scale)
+    u = _randn(batch, LENGTH, channels)
+    S = w.cumsum(1)
+    exponent = (k + S)[:, None] - S[:, :, None]  # k_j − (S_i − S_j), (B, i, j, C)
+    strict = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril(-1)[None, :, :, None]
+    diag = (u + k)[:, :, None, :].expand(-1, -1, 1, -1)
+    log_z = torch.logsumexp(torch.cat([exponent.masked_fill(~strict, float("-inf")), diag], 2), 2)
+    return dict(log_decay=w, log_q=-log_z, log_k=k, log_diag=u + k - log_z)
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["hidden", "unified"])
+@pytest.mark.parametrize("reduce", REDUCES)
+@pytest.mark.parametrize("rows", [None, LATE_ROWS], ids=["full", "late_rows"])
+def test_decay_triton_equals_reference_for_rwkv(weights, reduce, rows):
+    inputs = _rwkv_like()
+    if weights:
+        inputs.update(row_weight=torch.rand(2, LENGTH, 6, dtype=torch.float64),
+                      col_weight=_randn(2, LENGTH, 6), conv_weight=_randn(6, 3))
+    expected = decay_maps_naive(**inputs, rows=rows, reduce=reduce)
+    # the log-space pieces stay float64 (as DecayOperator keeps them); the kernel forms exponents in float64
+    log_space = {k: v for k, v in inputs.items() if k.startswith("log_")}
+    got = decay_maps_triton(**{**_on_device(inputs), **{k: v.to(DEVICE) for k, v in log_space.items()}},
+                            rows=rows, reduce=reduce, out_dtype=torch.float32)
+    assert torch.isfinite(got).all()
+    assert relative_error(got.cpu(), expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_decay_triton_equals_reference_for_rg_lru_with_resets(reduce):
+    batch, channels = 2, 6
+    gate = torch.rand(batch, LENGTH, channels, dtype=torch.float64) * 0.9 + 0.05
+    segments = torch.tensor([[0] * 20 + [1] * 30 + [2] * 22, [0] * LENGTH])
+    inputs = dict(log_decay=-gate.log(), col_weight=(1 - gate ** 2).sqrt() * torch.rand_like(gate),
+                  row_weight=_randn(batch, LENGTH, channels), conv_weight=_randn(channels, 4), segments=segments)
+    expected = decay_maps_naive(**inputs, reduce=reduce)
+    got = decay_maps_triton(**_on_device(inputs), reduce=reduce)
+    assert relative_error(got.cpu(), expected) < TOLERANCE
+    if reduce is not None:  # nothing crosses a reset (the conv may read 3 tokens back across it)
+        assert got[0, 20:, :17].abs().max() == 0 and got[0, 50:, :47].abs().max() == 0
+
+
+def test_tf32_mode_is_close_and_precision_is_checked():
+    inputs = _on_device(_mamba1_inputs(True))
+    ieee = selective_maps_triton(**inputs, reduce="mean")
+    tf32 = selective_maps_triton(**inputs, reduce="mean", precision="tf32")
+    assert relative_error(tf32, ieee) < 1e-2  # ~1e-3 on tensor cores; the interpreter computes it in fp32
+    with pytest.raises(ValueError, match="precision"):
+        selective_maps_triton(**inputs, reduce="mean", precision="fp16")
+
+
+def test_empty_rows_and_bad_input():
+    inputs = _on_device(_mamba1_inputs(False))
+    assert selective_maps_triton(**inputs, rows=[], reduce="mean").shape == (2, 0, LENGTH)
+    with pytest.raises(ValueError, match="rows must lie"):
+        selective_maps_triton(**inputs, rows=[LENGTH], reduce="mean")
+    with pytest.raises(ValueError, match="state size must be 1"):
+        channel_decay_maps_triton(torch.zeros(1, 4, 2, dtype=torch.float64), torch.zeros(2, 3))
+
+
+def test_dispatch_settings_and_restoration(monkeypatch):
+    cpu = torch.zeros(2)
+    assert not use_triton(cpu)  # auto: CUDA only
+    with kernel_settings(backend="triton", precision="tf32"):
+        assert use_triton(cpu) and not use_triton(cpu.double())  # float64 maps stay on the float64 torch kernels
+        from mamba_captum.kernels.dispatch import precision
+        assert precision() == "tf32"
+        with monkeypatch.context() as patch:
+            patch.setenv("TRITON_INTERPRET", "0")
+            with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+                use_triton(cpu)
+    assert not use_triton(cpu) and precision() == "ieee"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with kernel_settings(backend="cuda"):
+            pass
+    # float32 maps from float64 log-space pieces (DecayOperator) do go to Triton when asked
+    inputs = _rwkv_like(batch=1, channels=2)
+    with kernel_settings(backend="triton"):
+        via_dispatch = decay_maps(**inputs, out_dtype=torch.float32)
+    assert relative_error(via_dispatch, decay_maps_naive(**inputs)) < TOLERANCE
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba"])
+def test_engine_maps_through_triton_equal_the_torch_kernels(family):
+    import mamba_captum as mc
+    from test_rwkv_griffin import RESET_POSITIONS
+    from tiny_models import VOCAB, make_model
+
+    model = make_model(family)
+    ids = torch.randint(3, VOCAB, (2, 10))
+    kwargs = {"position_ids": RESET_POSITIONS[:, :10]} if family == "recurrent_gemma" else {}
+    for formulation in ("unified", "hidden"):
+        torch_maps = mc.implicit_attention(model, ids, formulation=formulation, forward_kwargs=kwargs)
+        with kernel_settings(backend="triton"):
+            triton_maps = mc.implicit_attention(model, ids, formulation=formulation, forward_kwargs=kwargs)
+        assert set(triton_maps) == set(torch_maps)
+        for layer in torch_maps:
+            assert relative_error(triton_maps[layer], torch_maps[layer]) < TOLERANCE, (formulation, layer)
+
+
+_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mamba_captum.kernels.triton_maps import _channel_decay_maps_kernel as kernel
+pointers = dict(S="*fp64", A="*fp32", CQ="*fp32", BK="*fp32", LQ="*fp64", LK="*fp64", LDIAG="*fp64", ROW="*fp32",
+                COL="*fp32", CONV="*fp32", ROWS="*i64", OUT="*fp32")
+constants = dict(K=4, NP=16, BCH=4, BI=32, BJ=32, HAS_CB=True, HAS_LQ=False, HAS_LK=False, HAS_LDIAG=False,
+                 HAS_ROW=True, HAS_COL=True, HAS_CONV=True, SHARED_RATE=False, MODE=0, PRECISION="ieee")
+signature = {name: pointers.get(name, "constexpr" if name in constants else "i32") for name in kernel.arg_names}
+compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32))
+print(len(compiled.asm["cubin"]))
+"""
+
+
+def test_kernel_compiles_for_hopper_without_a_gpu():
+    # The interpreter does not type-check like the compiler does; compile the Mamba-1 reduced-map kernel to an
+    # sm_90 cubin (Triton ships ptxas) so a kernel that only runs interpreted cannot pass unnoticed.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0
