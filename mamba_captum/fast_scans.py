@@ -3,15 +3,17 @@
 HF's torch path (``mamba_selective_scan`` in ``modeling_mamba``, ``modeling_falcon_mamba``, ``modeling_jamba``) is a
 per-token loop under autograd whose backward grows faster than L; gradient methods (ours, and Captum's own
 baselines) spend nearly all their time there. Inside ``fast_scans()`` these module-level functions — which the
-mixers look up at call time — are replaced by a dispatcher: CPU tensors go to
+mixers look up at call time — are replaced by a dispatcher: CUDA tensors go to the function that was there when
+mamba-ssm is installed (its fused CUDA kernel), everything else to
 :func:`mamba_captum.kernels.selective_scan.selective_scan_chunked` (explicit forward and backward, linear in L,
-equal to HF's path to float rounding), CUDA tensors to the function that was there (mamba-ssm's kernel when it is
-installed). Everything is restored on exit, whatever happened. The library enters it around its own forward passes.
+equal to HF's path to float rounding; plain torch, so it runs on any device). Everything is restored on exit,
+whatever happened. The library enters it around its own forward passes.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 
 from .kernels.selective_scan import selective_scan_chunked
 
@@ -22,11 +24,15 @@ SCAN_MODULES = {
 }
 
 
+def _has_mamba_ssm() -> bool:
+    return importlib.util.find_spec("mamba_ssm") is not None
+
+
 def _dispatcher(original):
     def mamba_selective_scan(hidden_states, *args, **kwargs):
-        if hidden_states.device.type == "cpu":
-            return selective_scan_chunked(hidden_states, *args, **kwargs)
-        return original(hidden_states, *args, **kwargs)
+        if hidden_states.device.type == "cuda" and _has_mamba_ssm():
+            return original(hidden_states, *args, **kwargs)
+        return selective_scan_chunked(hidden_states, *args, **kwargs)
 
     mamba_selective_scan.original = original
     return mamba_selective_scan

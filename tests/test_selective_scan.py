@@ -85,9 +85,18 @@ def test_swapped_only_inside_and_restored_on_every_exit():
     assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
 
 
-def test_non_cpu_tensors_go_to_the_function_that_was_there(monkeypatch):
+def test_dispatch_keeps_mamba_ssm_on_cuda_and_takes_the_fast_scan_otherwise(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
+
     calls = []
-    monkeypatch.setattr(hf_mamba, "mamba_selective_scan", lambda *args, **kwargs: calls.append(args[0].device))
-    with mc.fast_scans(make_model("mamba")):
-        hf_mamba.mamba_selective_scan(torch.empty(1, 2, 3, device="meta"))
-    assert calls == [torch.device("meta")]
+    monkeypatch.setattr(fast_scans_module, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
+    dispatch = fast_scans_module._dispatcher(lambda *a, **k: calls.append("original"))
+    cuda_tensor = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    for has_mamba_ssm in (True, False):
+        monkeypatch.setattr(fast_scans_module, "_has_mamba_ssm", lambda: has_mamba_ssm)
+        dispatch(cuda_tensor)
+    dispatch(torch.zeros(1))
+    assert calls == ["original", "chunked", "chunked"]
