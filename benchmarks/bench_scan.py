@@ -4,7 +4,7 @@ Per layer: one MambaMixer-sized scan (D = 1536, N = 16, batch 1) through ``mamba
 ``selective_scan_chunked``, forward then backward of a sum. Per model: a random mamba-130m config (24 layers),
 forward + backward of one logit, HF's path (only at the lengths given to --hf-lengths) and inside
 ``mc.fast_scans(model)``; then ``MambaAttribution`` end to end (its forward runs on the fast scan), and Captum's
-``LayerIntegratedGradients`` (embeddings, 50 steps, internal batch 10) inside ``mc.fast_scans(model)`` at the
+``LayerIntegratedGradients`` (embeddings, 50 steps, internal batch --ig-batch) inside ``mc.fast_scans(model)`` at the
 lengths given to --ig-lengths.
 
 Run:  python benchmarks/bench_scan.py [--lengths 128 512 1024] [--hf-lengths 128] [--ig-lengths 128 512]
@@ -53,6 +53,7 @@ def main():
     parser.add_argument("--hf-lengths", nargs="*", type=int, default=[128])
     parser.add_argument("--hf-layer-lengths", nargs="*", type=int, default=[128, 512])
     parser.add_argument("--ig-lengths", nargs="*", type=int, default=[128, 512])
+    parser.add_argument("--ig-batch", type=int, default=2, help="IG's internal_batch_size (10 at L = 512: > 24 GB)")
     args = parser.parse_args()
     tf.logging.set_verbosity_error()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -80,7 +81,7 @@ def main():
                                            model.backbone.embeddings)
             start = time.perf_counter()
             with mc.fast_scans(model):
-                lig.attribute(ids, target=7, n_steps=50, internal_batch_size=10)
+                lig.attribute(ids, target=7, n_steps=50, internal_batch_size=args.ig_batch)
             print(f"| Captum LayerIntegratedGradients, 50 steps | {length} | — | {time.perf_counter() - start:.1f} |",
                   flush=True)
 

@@ -4,9 +4,10 @@ HF's torch path (``mamba_selective_scan`` in ``modeling_mamba``, ``modeling_falc
 per-token loop under autograd whose backward grows faster than L; gradient methods (ours, and Captum's own
 baselines) spend nearly all their time there. Inside ``fast_scans()`` these module-level functions — which the
 mixers look up at call time — are replaced by a dispatcher: CUDA tensors go to the function that was there when
-mamba-ssm is installed (its fused CUDA kernel), everything else to
+mamba-ssm is installed (its fused CUDA kernel), else float32 CUDA tensors to the Triton scan
+(:func:`mamba_captum.kernels.selective_scan.selective_scan_triton`), everything else to
 :func:`mamba_captum.kernels.selective_scan.selective_scan_chunked` (explicit forward and backward, linear in L,
-equal to HF's path to float rounding; plain torch, so it runs on any device). Everything is restored on exit,
+equal to HF's path to float rounding; plain torch). Everything is restored on exit,
 whatever happened. The library enters it around its own forward passes.
 """
 from __future__ import annotations
@@ -15,7 +16,10 @@ import contextlib
 import importlib
 import importlib.util
 
-from .kernels.selective_scan import selective_scan_chunked
+import torch
+
+from .kernels.selective_scan import selective_scan_chunked, selective_scan_triton
+from .kernels.triton_maps import triton_available
 
 SCAN_MODULES = {
     "MambaMixer": "transformers.models.mamba.modeling_mamba",
@@ -30,8 +34,11 @@ def _has_mamba_ssm() -> bool:
 
 def _dispatcher(original):
     def mamba_selective_scan(hidden_states, *args, **kwargs):
-        if hidden_states.device.type == "cuda" and _has_mamba_ssm():
-            return original(hidden_states, *args, **kwargs)
+        if hidden_states.device.type == "cuda":
+            if _has_mamba_ssm():
+                return original(hidden_states, *args, **kwargs)
+            if triton_available() and hidden_states.dtype != torch.float64:
+                return selective_scan_triton(hidden_states, *args, **kwargs)
         return selective_scan_chunked(hidden_states, *args, **kwargs)
 
     mamba_selective_scan.original = original

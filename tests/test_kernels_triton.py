@@ -199,13 +199,23 @@ signature = {name: pointers.get(name, "constexpr" if name in constants else "i32
 compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                           target=GPUTarget("cuda", 90, 32))
 print(len(compiled.asm["cubin"]))
+from mamba_captum.kernels.selective_scan.triton import _scan_backward, _scan_forward
+for kernel in (_scan_forward, _scan_backward):
+    constants = dict(CHUNK=64, BD=16, NP=16)
+    signature = {name: "constexpr" if name in constants else "i32" if name in ("D", "L", "N", "n_chunks", "n_blocks")
+                 else "*fp32" for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32))
+    print(len(compiled.asm["cubin"]))
 """
 
 
-def test_kernel_compiles_for_hopper_without_a_gpu():
-    # The interpreter does not type-check like the compiler does; compile the Mamba-1 reduced-map kernel to an
-    # sm_90 cubin (Triton ships ptxas) so a kernel that only runs interpreted cannot pass unnoticed.
+def test_kernels_compile_for_hopper_without_a_gpu():
+    # The interpreter does not type-check like the compiler does; compile the Mamba-1 reduced-map kernel and the
+    # scan's forward and backward to sm_90 cubins (Triton ships ptxas): a kernel that only runs interpreted cannot
+    # pass unnoticed.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert int(done.stdout.split()[-1]) > 0
+    sizes = [int(size) for size in done.stdout.split()]
+    assert len(sizes) == 3 and min(sizes) > 0

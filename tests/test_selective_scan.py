@@ -85,18 +85,45 @@ def test_swapped_only_inside_and_restored_on_every_exit():
     assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
 
 
-def test_dispatch_keeps_mamba_ssm_on_cuda_and_takes_the_fast_scan_otherwise(monkeypatch):
+def test_dispatch_keeps_mamba_ssm_on_cuda_then_triton_then_the_chunked_scan(monkeypatch):
     import sys
     from types import SimpleNamespace
 
     fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
-
     calls = []
     monkeypatch.setattr(fast_scans_module, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
+    monkeypatch.setattr(fast_scans_module, "selective_scan_triton", lambda *a, **k: calls.append("triton"))
     dispatch = fast_scans_module._dispatcher(lambda *a, **k: calls.append("original"))
-    cuda_tensor = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    cuda = lambda dtype: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)  # noqa: E731
     for has_mamba_ssm in (True, False):
         monkeypatch.setattr(fast_scans_module, "_has_mamba_ssm", lambda: has_mamba_ssm)
-        dispatch(cuda_tensor)
+        dispatch(cuda(torch.float32))
+    dispatch(cuda(torch.float64))
     dispatch(torch.zeros(1))
-    assert calls == ["original", "chunked", "chunked"]
+    assert calls == ["original", "triton", "chunked", "chunked"]
+
+
+def test_triton_scan_equals_the_per_token_loop_with_gradients(monkeypatch):
+    # Under TRITON_INTERPRET=1 (conftest) on CPU; 16-token chunks so that 45 tokens cross chunk borders.
+    import mamba_captum.kernels.selective_scan.triton as scan_triton
+
+    monkeypatch.setattr(scan_triton, "CHUNK", 16)
+    batch, channels, state, length = 2, 21, 3, 45  # 21 channels: a full and a partial block of 16
+    make = lambda *shape: torch.randn(*shape, dtype=torch.float64).requires_grad_()  # noqa: E731
+    u, delta, B, C, z = make(batch, channels, length), make(batch, channels, length), make(batch, state, length), \
+        make(batch, state, length), make(batch, channels, length)
+    A = (-torch.rand(channels, state, dtype=torch.float64) * 2).requires_grad_()
+    skip, bias = make(channels), make(channels)
+    inputs = (u, delta, A, B, C, skip, bias, z)
+
+    def run(scan, tensors):
+        u, delta, A, B, C, skip, bias, z = tensors
+        y, last = scan(u, delta, A, B, C, D=skip, z=z, delta_bias=bias, delta_softplus=True, return_last_state=True)
+        loss = (y * weights_y.to(y.dtype)).sum() + (last * weights_last.to(last.dtype)).sum()
+        return [y, last, *torch.autograd.grad(loss, tensors)]
+
+    weights_y, weights_last = torch.randn(batch, channels, length), torch.randn(batch, channels, state)
+    expected = run(selective_scan_naive, inputs)
+    got = run(scan_triton.selective_scan_triton, [t.detach().float().requires_grad_() for t in inputs])
+    for name, a, b in zip(["y", "last", "u", "delta", "A", "B", "C", "D", "delta_bias", "z"], got, expected):
+        assert a.dtype == torch.float32 and relative_error(a, b) < 1e-5, name

@@ -6,10 +6,12 @@
   writes a full-size gradient for every token's slice, so it grows faster than L.
 - :func:`selective_scan_chunked` — an explicit forward and backward (a reverse-time scan for the adjoint), linear
   in L, memory O(B·D·N·L / chunk) beyond the inputs (states are recomputed chunk by chunk in the backward).
+- :func:`selective_scan_triton` — the same forward and backward as Triton kernels (GPU; float32).
 """
 from __future__ import annotations
 
 from .chunked import selective_scan_chunked
 from .naive import selective_scan_naive
+from .triton import selective_scan_triton
 
-__all__ = ["selective_scan_chunked", "selective_scan_naive"]
+__all__ = ["selective_scan_chunked", "selective_scan_naive", "selective_scan_triton"]
