@@ -4,7 +4,8 @@ naive, at L = 1024, 4096, 8192 — time, peak memory, and the map kernel's achie
 One layer's operator inputs are drawn at the 130m shapes (D = 1536, N = 16, K = 4, batch 1; delta, B, C, row and
 column weights as the unified formulation's ``H_c = diag(row) α_c diag(col) M_c``); every layer has the same
 shapes, so the 24-layer figure is 24 × one layer (measured on ``--layers-measured`` layers). The useful work of a
-reduced map is L²·D·N multiply-adds below the diagonal (2 flops each); "TFLOP/s" = 2·L²·D·N·layers / time.
+reduced map is L²/2 pairs below the diagonal × D·N multiply-adds (2 flops each); "TFLOP/s" = L²·D·N·layers / time
+(25.8 GFLOP a layer at L = 1024, the GEMM floor of ../shared/reference/performance-notes.md).
 The naive kernel builds per-channel (L × L) stacks and runs only where it fits (--naive-max). The first column
 checks the Triton maps against the blocked torch ones (max |Δ| / max |ref|).
 
@@ -64,7 +65,7 @@ def main():
     print("|---|---|---|---|---|---|---|")
     for length in args.lengths:
         inputs = layer_inputs(length)
-        flops = 2.0 * length * length * 1536 * 16 * args.layers
+        flops = float(length) * length * 1536 * 16 * args.layers
         kernels = {"triton (ieee)": lambda: selective_maps_triton(**inputs, reduce="mean"),
                    "triton (tf32)": lambda: selective_maps_triton(**inputs, reduce="mean", precision="tf32")}
         if length <= args.blocked_max:

@@ -241,4 +241,5 @@ def test_bad_inputs_raise():
 
 
 def test_package_exports():
-    assert set(selective_pkg.__all__) == {"selective_maps", "selective_maps_blocked", "selective_maps_naive"}
+    assert set(selective_pkg.__all__) == {"selective_maps", "selective_maps_blocked", "selective_maps_naive",
+                                          "selective_maps_triton"}
