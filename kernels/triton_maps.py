@@ -47,6 +47,14 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _key_exponent(S, LK, b, j, ok, chan, head, a, s_r, L, C, Hs, HAS_LK: tl.constexpr):
+        """(X, BJ) float64 exponents A·(S_r − S_j) + LK_j of the S6 columns j, before the tile's max is taken out."""
+        e = a[:, None] * (s_r[:, None] - tl.load(S + (b * L + j[None, :]) * Hs + head[:, None], mask=ok, other=0.0))
+        if HAS_LK:
+            e += tl.load(LK + (b * L + j[None, :]) * C + chan[:, None], mask=ok, other=0.0)
+        return e
+
+    @triton.jit
     def _gemm_factors(S, A, CQ, BK, LQ, LK, ROW, COL, CONV, b, i, q_ok, r, s, chan, n, x_ok, L, C, Hs, G, N, P,
                       HPG, K: tl.constexpr, HAS_CB: tl.constexpr, HAS_LQ: tl.constexpr, HAS_LK: tl.constexpr,
                       HAS_ROW: tl.constexpr, HAS_COL: tl.constexpr, HAS_CONV: tl.constexpr):
@@ -60,20 +68,14 @@ if triton is not None:
         for t in tl.static_range(K):
             j = s + t
             ok = x_ok[:, None] & (j < L)[None, :]
-            e = a[:, None] * (s_r[:, None] - tl.load(S + (b * L + j[None, :]) * Hs + head[:, None], mask=ok,
-                                                    other=0.0))
-            if HAS_LK:
-                e += tl.load(LK + (b * L + j[None, :]) * C + chan[:, None], mask=ok, other=0.0)
+            e = _key_exponent(S, LK, b, j, ok, chan, head, a, s_r, L, C, Hs, HAS_LK)
             m = tl.maximum(m, tl.max(tl.where(ok, e, float("-inf")), axis=1))
         m = tl.where(m == float("-inf"), 0.0, m)
         keys = tl.zeros((s_r.shape[0], s.shape[0]), dtype=tl.float32)
         for t in tl.static_range(K):
             j = s + t
             ok = x_ok[:, None] & (j < L)[None, :]
-            e = a[:, None] * (s_r[:, None] - tl.load(S + (b * L + j[None, :]) * Hs + head[:, None], mask=ok,
-                                                    other=0.0))
-            if HAS_LK:
-                e += tl.load(LK + (b * L + j[None, :]) * C + chan[:, None], mask=ok, other=0.0)
+            e = _key_exponent(S, LK, b, j, ok, chan, head, a, s_r, L, C, Hs, HAS_LK)
             k = tl.where(ok, tl.exp(tl.where(ok, e - m[:, None], 0.0).to(tl.float32)), 0.0)
             if HAS_CB:
                 k *= tl.load(BK + ((b * L + j[None, :]) * G + group[:, None]) * N + n[:, None], mask=ok, other=0.0)

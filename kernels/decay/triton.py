@@ -41,8 +41,6 @@ def decay_maps_triton(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k: 
         resets = torch.zeros_like(segments, dtype=torch.float64)
         resets[:, 1:] = (segments[:, 1:] != segments[:, :-1]).to(torch.float64)
         S = S + RESET_JUMP * resets.cumsum(1)[..., None]
-    if log_diag is None and (log_q is not None or log_k is not None):
-        log_diag = None  # the kernel's formula at j = i is already log_q + log_k
     channels = log_decay.shape[2]
     maps = channel_decay_maps_triton(
         S, torch.full((channels, 1), -1.0, device=log_decay.device), LQ=log_q, LK=log_k, LDIAG=log_diag,
