@@ -221,10 +221,6 @@ if triton is not None:
                 tl.store(OUT + (b * R + q[:, None]) * L + s[None, :], acc, mask=out_ok)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 def channel_decay_maps_triton(S: Tensor, A: Tensor, *, CQ: Optional[Tensor] = None, BK: Optional[Tensor] = None,
                               LQ: Optional[Tensor] = None, LK: Optional[Tensor] = None,
                               LDIAG: Optional[Tensor] = None, row_weight: Optional[Tensor] = None,
@@ -278,7 +274,7 @@ def channel_decay_maps_triton(S: Tensor, A: Tensor, *, CQ: Optional[Tensor] = No
     if n_rows == 0 or length == 0 or channels == 0:
         return out
     taps = 1 if conv_weight is None else conv_weight.shape[1]
-    state_pow2 = _pow2_at_least(state)
+    state_pow2 = triton.next_power_of_2(state)
     channels_per_chunk = max(1, 64 // state_pow2)
     grid = (triton.cdiv(length, block), triton.cdiv(n_rows, block), batch)
     _channel_decay_maps_kernel[grid](

@@ -103,10 +103,6 @@ if triton is not None:
         tl.store(GA + (b * D + d[:, None]) * N + n[None, :], grad_rate, mask=ok)
 
 
-def _pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
 class _TritonScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C):
@@ -119,7 +115,7 @@ class _TritonScan(torch.autograd.Function):
         last = torch.empty(batch, channels, state, device=u.device)
         grid = (batch, triton.cdiv(channels, BLOCK_D))
         _scan_forward[grid](u, delta, A, B, C, y, starts, last, channels, length, state, n_chunks, CHUNK=CHUNK,
-                            BD=BLOCK_D, NP=_pow2(state))
+                            BD=BLOCK_D, NP=triton.next_power_of_2(state))
         ctx.save_for_backward(u, delta, A, B, C, starts)
         return y, last
 
@@ -139,7 +135,7 @@ class _TritonScan(torch.autograd.Function):
         grad_C = torch.empty_like(grad_B)
         _scan_backward[(batch, n_blocks)](u, delta, A, B, C, grad_y, grad_last, starts, scratch, grad_u, grad_delta,
                                           grad_A, grad_B, grad_C, channels, length, state, n_chunks, n_blocks,
-                                          CHUNK=CHUNK, BD=BLOCK_D, NP=_pow2(state))
+                                          CHUNK=CHUNK, BD=BLOCK_D, NP=triton.next_power_of_2(state))
         return grad_u, grad_delta, grad_A.sum(0), grad_B.sum(1), grad_C.sum(1)
 
 
