@@ -8,7 +8,7 @@ from test_identities import liven
 from tiny_models import make_model
 
 import mamba_captum as mc
-from mamba_captum.attr._rollout import RunningProduct, rollout_step
+from mamba_captum.attr._rollout import RunningProduct, layer_weights, rollout_step
 
 LN2 = math.log(2.0)
 
@@ -90,6 +90,51 @@ def test_running_product_puts_later_layers_on_the_left():
     assert torch.equal(product.rows(torch.tensor([0]), 2), (second @ first)[:, 0])
     assert torch.allclose(rollout_step(torch.tensor([[[0.0, -5.0], [1.0, 1.0]]])),
                           torch.tensor([[[1.0, 0.0], [1 / 3, 2 / 3]]]))
+
+
+@pytest.mark.parametrize("sign,normalise,expected", [
+    ("absolute", "row_max", [[1.0, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ("positive", "row_max", [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ("absolute", "row_sum", [[2 / 3, 1 / 3, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+    ("positive", "none", [[0.0, 1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]),
+])
+def test_layer_weights_by_hand(sign, normalise, expected):
+    """|G| or G₊, then each row over its max or its sum; an all-zero row (padding) stays zero."""
+    matrix = torch.tensor([[[-2.0, 1.0, 0.0], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    assert torch.allclose(layer_weights(matrix, sign, normalise), torch.tensor([expected]))
+
+
+def _scaled(model, factor):
+    return lambda ids: factor * model(ids).logits[:, -1]
+
+
+def test_row_normalised_attribution_ignores_the_scale_and_sign_of_the_explained_score():
+    """Row normalisation makes the rollout independent of the gradients' scale, and |G| of their sign: explaining
+    −10 × the logits gives the same relevance; the unnormalised positive part does not."""
+    model = make_model("mamba")
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    target = torch.tensor([5, 7])
+
+    def relevance(factor, **options):
+        method = mc.MambaAttribution(model, forward_func=_scaled(model, factor))
+        return method.attribute(ids, target=target, **options)
+
+    default = relevance(1.0)
+    assert torch.allclose(relevance(-10.0), default, atol=1e-6)
+    assert torch.allclose(relevance(-10.0, sign="positive", normalise="row_max"),
+                          relevance(-1.0, sign="positive", normalise="row_max"), atol=1e-6)
+    unnormalised = relevance(1.0, sign="positive", normalise="none")
+    # unnormalised, the identity dominates: evidence shares scale with the gradients (here by 10x)
+    assert not torch.allclose(relevance(10.0, sign="positive", normalise="none"), unnormalised, rtol=0.1, atol=0)
+    assert not torch.allclose(default, unnormalised, rtol=0.1, atol=0)
+
+
+def test_bad_sign_or_normalise_names_the_choices():
+    model = make_model("mamba")
+    with pytest.raises(ValueError, match="sign='both'.*absolute"):
+        mc.MambaAttribution(model).attribute(torch.ones(1, 4, dtype=torch.long), target=1, sign="both")
+    with pytest.raises(ValueError, match="normalise='max'.*row_max"):
+        mc.MambaAttribution(model).attribute(torch.ones(1, 4, dtype=torch.long), target=1, normalise="max")
 
 
 # -- the official procedure, re-implemented from reference/official-recipes.md -------------------------------------

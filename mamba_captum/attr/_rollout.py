@@ -23,6 +23,25 @@ def rollout_step(matrix: torch.Tensor) -> torch.Tensor:
     return row_normalise(add_identity(matrix.clamp(min=0)))
 
 
+SIGNS = ("absolute", "positive")
+NORMALISATIONS = ("row_max", "row_sum", "none")
+
+
+def layer_weights(matrix: torch.Tensor, sign: str = "absolute", normalise: str = "row_max") -> torch.Tensor:
+    """The non-negative mixing weights a layer's (B, L, L) gradient-weighted map enters the rollout with.
+
+    sign: ``"absolute"`` |G| (evidence for and against the class both count as relevant) or ``"positive"`` G₊
+        (the papers' clamp). normalise: ``"row_max"`` divides each row by its largest entry, ``"row_sum"`` by its
+        sum (each row then mixes like an attention row, whatever the scale of the gradients), ``"none"`` keeps the
+        raw scale (the identity then dominates rows whose gradients are small).
+    """
+    weights = matrix.abs() if sign == "absolute" else matrix.clamp(min=0)
+    if normalise == "none":
+        return weights
+    scale = weights.amax(-1, keepdim=True) if normalise == "row_max" else weights.sum(-1, keepdim=True)
+    return weights / torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def minmax(values: torch.Tensor, mask: torch.Tensor, dims=(-1,)) -> torch.Tensor:
     """(x − min) / (max − min) over ``dims`` (real tokens only; mask broadcasts to ``values``); 0 on padding and
     where max = min."""

@@ -18,7 +18,8 @@ from captum.attr import GradientAttribution
 
 from ._base import ImplicitAttentionMethod
 from ._explain import as_attributions, format_inputs, gather_rows, unique_positions
-from ._rollout import RunningProduct, add_identity, broadcast_row, drop_query, minmax, row_normalise, rollout_step
+from ._rollout import (NORMALISATIONS, SIGNS, RunningProduct, add_identity, broadcast_row, drop_query, layer_weights,
+                       minmax, row_normalise, rollout_step)
 
 GRADIENT_RULES = ("residual", "grad_x_operator")
 
@@ -45,14 +46,18 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
     def _wants_operator_grads(self, options):
         return options["recipe"] == "product" and options["gradient_rule"] == "grad_x_operator"
 
-    def _options(self, recipe, start_layer, reduce, gradient_rule="grad_x_operator", **extra):
-        if gradient_rule not in GRADIENT_RULES:
-            raise ValueError(f"mamba_captum: gradient_rule={gradient_rule!r}; choose one of {GRADIENT_RULES}.")
-        return super()._options(recipe, start_layer, reduce, gradient_rule=gradient_rule, **extra)
+    def _options(self, recipe, start_layer, reduce, gradient_rule="grad_x_operator", sign="absolute",
+                 normalise="row_max", **extra):
+        for name, value, choices in (("gradient_rule", gradient_rule, GRADIENT_RULES), ("sign", sign, SIGNS),
+                                     ("normalise", normalise, NORMALISATIONS)):
+            if value not in choices:
+                raise ValueError(f"mamba_captum: {name}={value!r}; choose one of {choices}.")
+        return super()._options(recipe, start_layer, reduce, gradient_rule=gradient_rule, sign=sign,
+                                normalise=normalise, **extra)
 
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
                   formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
-                  gradient_rule="grad_x_operator", **forward_kwargs):
+                  gradient_rule="grad_x_operator", sign="absolute", normalise="row_max", **forward_kwargs):
         """As :meth:`ImplicitAttentionMethod.attribute`, plus ``gradient_rule``: ``"grad_x_operator"`` (default:
         per-channel gradient × operator × input) or ``"residual"`` (the official rule: gradient at the residual
         stream entering each block). The default is provisional: on the trained marker models of the tests the
@@ -61,7 +66,7 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         inputs_tensor, was_tuple = format_inputs(inputs)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs,
-                                     gradient_rule=gradient_rule)
+                                     gradient_rule=gradient_rule, sign=sign, normalise=normalise)
         return as_attributions(relevance[0], inputs_tensor, was_tuple)
 
     def _relevance(self, explained, options):
@@ -77,7 +82,7 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
                 factors = [record.operator.contributions(grads) / record.operator.value_channels
                            for grads in record.operator_grads]
             for product, factor in zip(products, factors):
-                product.push(rollout_step(factor))
+                product.push(rollout_step(layer_weights(factor, options["sign"], options["normalise"])))
         return [product.rows(q.positions, explained.length) for q, product in zip(explained.queries, products)]
 
     @staticmethod
