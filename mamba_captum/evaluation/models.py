@@ -1,0 +1,185 @@
+"""Tiny HF causal LMs of each family, trained here on the evaluation tasks (docs/faithfulness.md).
+
+``train_classifier(family, task)`` trains one from fixed seeds (a minute or two on one CPU thread) and
+``load_classifier(family, task)`` loads the shipped copy with the real ``from_pretrained`` path; the weights live in
+``mamba_captum/evaluation/weights/<family>-<task>/`` and ``python -m mamba_captum.evaluation.train`` regenerates them.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+from ..fast_scans import fast_scans
+from .tasks import ClassificationTask, bbc_news, make_task, task_vocab
+
+FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba")
+OTHER_FAMILIES = ("bamba",)
+WEIGHTS = "weights"
+
+
+def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfig:
+    """The config of the tiny classifier of ``family`` (width 32, two token-mixing layers of the family; Bamba adds
+    one attention layer between them; RecurrentGemma uses RG-LRU blocks only so its recurrence is explained)."""
+    common = dict(vocab_size=vocab_size, hidden_size=32, pad_token_id=0, bos_token_id=2, eos_token_id=2,
+                  tie_word_embeddings=family != "rwkv")
+    if family == "mamba":
+        return tf.MambaConfig(num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4, time_step_rank=4, **common)
+    if family == "mamba2":
+        return tf.Mamba2Config(num_hidden_layers=2, num_heads=4, head_dim=16, n_groups=1, state_size=8, expand=2,
+                               conv_kernel=4, chunk_size=16, **common)
+    if family == "rwkv":
+        return tf.RwkvConfig(num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+                             context_length=max(length, 64), **common)
+    if family == "recurrent_gemma":
+        config = tf.RecurrentGemmaConfig(num_hidden_layers=2, block_types=["recurrent", "recurrent"], lru_width=32,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         intermediate_size=64, attention_window_size=16, conv1d_width=4, **common)
+        return config
+    if family == "jamba":
+        return tf.JambaConfig(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3,
+                              expert_layer_offset=2, num_experts=1, num_experts_per_tok=1, mamba_d_state=8,
+                              mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=64, use_mamba_kernels=False, **common)
+    if family == "bamba":
+        return tf.BambaConfig(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                              mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, **common)
+    raise ValueError(f"mamba_captum: unknown family {family!r}; choose one of {FAMILIES}.")
+
+
+def _mamba2_time_steps(model, generator, low=1e-3, high=1e-1):
+    """Mamba-2's reference init of ``dt_bias`` (Δ log-uniform in [1e-3, 0.1]) for Bamba's mixers, whose HF init sets
+    ``dt_bias = 1`` (Δ ≈ 1.3: a memory of about one token, and the tiny model never learns the tasks)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "BambaMixer":
+                dt = torch.exp(torch.rand(module.dt_bias.shape, generator=generator) * (math.log(high) - math.log(low))
+                               + math.log(low)).clamp(min=1e-4)
+                module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+
+def new_classifier(family: str, vocab_size: int, length: int, seed: int = 0):
+    """A freshly initialised tiny classifier (seeded)."""
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, vocab_size, length))
+    if family == "bamba":
+        _mamba2_time_steps(model, torch.Generator().manual_seed(seed))
+    return model
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Train on one thread: the same weights on any machine, and 32-wide layers gain nothing from more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def class_logits(model, input_ids: torch.Tensor, label_token_ids: torch.Tensor) -> torch.Tensor:
+    """The classifier's logits: next-token logits at the final query token, at the label tokens. (B, L) -> (B, K)."""
+    return model(input_ids, use_cache=False).logits[:, -1, label_token_ids]
+
+
+def accuracy(model, task: ClassificationTask, batch_size: int = 128) -> float:
+    """Held-out accuracy of the argmax over the label tokens."""
+    hits = 0
+    with torch.no_grad():
+        for start in range(0, len(task.labels), batch_size):
+            logits = class_logits(model, task.input_ids[start:start + batch_size], task.label_token_ids)
+            hits += int((logits.argmax(-1) == task.labels[start:start + batch_size]).sum())
+    return hits / len(task.labels)
+
+
+def _batches(task_name, seed, batch, bbc_train=None):
+    generator = torch.Generator().manual_seed(seed)
+    step = 0
+    while True:
+        if bbc_train is None:
+            yield make_task(task_name, batch, seed=seed * 100_003 + step)
+        else:
+            yield bbc_train.subset(torch.randint(0, len(bbc_train.labels), (batch,), generator=generator))
+        step += 1
+
+
+def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int = 1500, batch: int = 64,
+                     lr: float = 3e-3, held_out: int = 512, target_accuracy: float = 0.99, log=None):
+    """Train the tiny ``family`` classifier on ``task_name`` (a planted task or ``"bbc_news"``) from ``seed``.
+
+    Training data are fresh examples every step (seeded); every 50 steps the model is checked on a validation
+    batch and training stops once it reaches ``target_accuracy``. Returns ``(model in eval mode, record)``,
+    the record holding steps, training seconds and the accuracy on ``held_out`` examples of a seed never trained on.
+    """
+    bbc_train = bbc_test = None
+    if task_name == "bbc_news":
+        bbc_train, bbc_test = bbc_news()
+        vocab, length = bbc_train.vocab, bbc_train.length
+    else:
+        sample = make_task(task_name, 1, 0)
+        vocab, length = sample.vocab, sample.length
+    model = new_classifier(family, len(vocab), length, seed)
+    optimiser = torch.optim.Adam(model.parameters(), lr=lr)
+    validation = bbc_test if bbc_train is not None else make_task(task_name, 256, seed=10_000 + seed)
+    start, steps = time.perf_counter(), 0
+    # fast_scans: Mamba-1 / Jamba train on the blocked torch scan (same math as HF's per-token loop, ~10x faster).
+    with one_thread(), fast_scans(model):
+        for steps, examples in enumerate(_batches(task_name, seed, batch, bbc_train), start=1):
+            model.train()
+            logits = model(examples.input_ids, use_cache=False).logits[:, -1]
+            loss = torch.nn.functional.cross_entropy(logits, examples.label_tokens)
+            optimiser.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+            if steps % 50 == 0 or steps == max_steps:
+                model.eval()
+                valid = accuracy(model, validation)
+                if log:
+                    log(f"{family}/{task_name} step {steps} loss {loss.item():.4f} validation {valid:.3f}")
+                if (valid >= target_accuracy and bbc_train is None) or steps >= max_steps:
+                    break
+        seconds = time.perf_counter() - start
+        model.eval()
+        test = bbc_test if bbc_train is not None else make_task(task_name, held_out, seed=20_000 + seed)
+        held = accuracy(model, test)
+    record = dict(family=family, task=task_name, seed=seed, steps=steps, train_seconds=round(seconds, 1),
+                  held_out_accuracy=held, held_out_examples=len(test.labels),
+                  parameters=sum(p.numel() for p in model.parameters()))
+    return model, record
+
+
+def weights_root() -> Path:
+    return Path(str(importlib.resources.files("mamba_captum.evaluation") / WEIGHTS))
+
+
+def save_classifier(model, record: dict, root: Path | None = None) -> Path:
+    """Save with ``save_pretrained`` (config.json + model.safetensors) and the training record."""
+    path = (root or weights_root()) / f"{record['family']}-{record['task']}"
+    model.save_pretrained(path)
+    (path / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def load_classifier(family: str, task_name: str, root: Path | None = None):
+    """The shipped tiny classifier of ``family`` on ``task_name``, loaded with ``from_pretrained`` (eval mode).
+    Returns ``(model, record)``."""
+    path = (root or weights_root()) / f"{family}-{task_name}"
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"mamba_captum: no trained classifier at {path}; regenerate the weights with "
+                                f"`python -m mamba_captum.evaluation.train --family {family} --task {task_name}`.")
+    model = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    record = json.loads((path / "training.json").read_text())
+    return model, record
+
+
+def vocab_for(task_name: str) -> list:
+    return bbc_news()[0].vocab if task_name == "bbc_news" else task_vocab(task_name)
