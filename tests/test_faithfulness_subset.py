@@ -111,3 +111,23 @@ def test_unknown_task_and_short_long_range_are_refused():
         make_task("sentiment", 4, seed=0)
     with pytest.raises(ValueError, match="needs length ≥ 256"):
         make_task("long_range", 4, seed=0, length=128)
+
+
+def test_the_report_fills_the_generated_section_and_keeps_the_prose(tmp_path, trained):
+    from mamba_captum.evaluation.report import BEGIN, END, write_report
+    model, record, task = trained
+    rows = compare.evaluate_model(model, task.subset(slice(0, 8)), compare.captum_methods()[-2:], family="rwkv")
+    doc = tmp_path / "faithfulness.md"
+    doc.write_text(f"# Title\n\nprose before\n\n{BEGIN}\nold\n{END}\n\nprose after\n")
+    write_report(rows, [("rwkv", "needle", record)], [("mamba", "needle", "not trained")], 1.0, doc,
+                 tmp_path / "assets", "python -m mamba_captum.evaluation --family rwkv")
+    text = doc.read_text()
+    assert text.startswith("# Title\n\nprose before") and text.endswith("prose after\n") and "old" not in text
+    assert "| FeatureAblation |" in text and "| Random |" in text and "| mamba | needle | not scored" in text
+    assert (tmp_path / "assets" / "results.json").exists() and (tmp_path / "assets" / "roc_auc.png").exists()
+
+
+def test_cli_lists_its_commands():
+    from mamba_captum.cli import main
+    assert main(["--help"]) == 0
+    assert main(["explain-everything"]) == 2

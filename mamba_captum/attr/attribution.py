@@ -2,10 +2,12 @@
 
 product, gradient_rule="residual" (the official rule on full matrices):
     s^ℓ[j] = minmax_j(max_d relu(∂ target / ∂ r^ℓ[j, d])),  r^ℓ the residual stream entering decoder layer ℓ,
-    Ã^ℓ = rownorm(I + (A^ℓ ⊙ 1 s^ℓᵀ)₊),  R = (Ã^Λ ⋯ Ã^s)[q, :].
+    Ã^ℓ = rownorm(I + W(A^ℓ ⊙ 1 s^ℓᵀ)),  R = (Ã^Λ ⋯ Ã^s)[q, :].
 product, gradient_rule="grad_x_operator":
     G^ℓ[i, j] = mean_c g_c[i] · H_c[i, j] · x_c[j],  g = ∂ target / ∂ (the operator's output),  x its input
-    (rows of G sum to the layer's first-order contribution over C channels), Ã^ℓ = rownorm(I + (G^ℓ)₊).
+    (rows of G sum to the layer's first-order contribution over C channels), Ã^ℓ = rownorm(I + W(G^ℓ)).
+W (sign=, normalise=): |G| or G₊, each row over its max, its sum, or as is (_rollout.layer_weights); the papers'
+    rollout is sign="positive", normalise="none", the defaults |G| / row max (docs/faithfulness.md).
 official (rank-1 rollout of the query rows, query entry 0, clamp ≥ 0):
     formulation="hidden" (Ali et al., HMA): v^ℓ = mean_c minmax(relu(row_c)), X^ℓ = 1 · (v^ℓ ⊙ s^ℓ)ᵀ;
     formulation="unified" (Zimerman et al., UIA): w^ℓ = minmax(mean_c relu(row_c) ⊙ s^ℓ), X^ℓ = 1 · w^ℓᵀ;
@@ -58,11 +60,18 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
                   formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
                   gradient_rule="grad_x_operator", sign="absolute", normalise="row_max", **forward_kwargs):
-        """As :meth:`ImplicitAttentionMethod.attribute`, plus ``gradient_rule``: ``"grad_x_operator"`` (default:
-        per-channel gradient × operator × input) or ``"residual"`` (the official rule: gradient at the residual
-        stream entering each block). The default is provisional: on the trained marker models of the tests the
-        gradient × operator rule ranks the evidence first more often (docs/methods/attribution.md); the
-        faithfulness benchmark settles it. ``target=None`` explains the argmax class / token of each example."""
+        """As :meth:`ImplicitAttentionMethod.attribute`, plus (product recipe):
+
+        Args:
+            gradient_rule: ``"grad_x_operator"`` (default: per-channel gradient × operator × input) or
+                ``"residual"`` (the official rule: gradient at the residual stream entering each block).
+            sign: ``"absolute"`` (default: |G|, evidence against the class counts too) or ``"positive"`` (G₊, the
+                papers' clamp) for each layer's gradient-weighted map.
+            normalise: ``"row_max"`` (default: each row over its largest entry), ``"row_sum"``, or ``"none"`` (the
+                papers': the raw gradient scale, where the identity swamps small rows).
+
+        The defaults are the best measured on the trained planted-answer models of docs/faithfulness.md.
+        ``target=None`` explains the argmax class / token of each example. Returns (B, L) as the inputs."""
         inputs_tensor, was_tuple = format_inputs(inputs)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs,

@@ -1,0 +1,228 @@
+"""Run the faithfulness comparison over the shipped models and write ``docs/faithfulness.md``'s generated part.
+
+``python -m mamba_captum.evaluation`` or ``mamba-captum evaluate`` runs :func:`main`: every family × task whose
+shipped classifier reached the accuracy bar is scored with every method (compare.py); the results go to
+``docs/assets/faithfulness/results.json``, the tables and plot links between the ``generated`` markers of
+``docs/faithfulness.md`` (the prose around them is kept), the plots to ``docs/assets/faithfulness/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from .models import FAMILIES, load_classifier, weights_root
+from .tasks import TASKS
+
+BEGIN, END = "<!-- generated:begin (python -m mamba_captum.evaluation) -->", "<!-- generated:end -->"
+ACCURACY_BAR = 0.97
+LOCALISATION = ("roc_auc", "precision_at_k", "relevance_mass")
+PERTURBATION = ("auac", "au_mse", "morf_auc", "lerf_auc")
+HEADERS = {"roc_auc": "ROC-AUC ↑", "precision_at_k": "P@k ↑", "relevance_mass": "mass ↑", "auac": "AUAC ↑",
+           "au_mse": "AU-MSE ↓", "morf_auc": "MoRF ↓", "lerf_auc": "LeRF ↑", "seconds": "time (s)"}
+
+
+def available_models(families, tasks, root=None, bar=ACCURACY_BAR):
+    """(usable, skipped): the (family, task) pairs whose shipped classifier reached ``bar`` held-out accuracy, and
+    the others with the reason."""
+    usable, skipped = [], []
+    for task in tasks:
+        for family in families:
+            if task == "bbc_news" and family != "mamba":
+                continue
+            try:
+                _, record = load_classifier(family, task, root)
+            except FileNotFoundError:
+                skipped.append((family, task, "not trained"))
+                continue
+            if task != "bbc_news" and record["held_out_accuracy"] < bar:
+                skipped.append((family, task, f"held-out accuracy {record['held_out_accuracy']:.1%} < {bar:.0%}"))
+                continue
+            usable.append((family, task, record))
+    return usable, skipped
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _fmt(value, digits=3):
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _methods_in_order(rows):
+    seen = []
+    for row in rows:
+        if row["method"] not in seen:
+            seen.append(row["method"])
+    return seen
+
+
+def localisation_tables(rows) -> str:
+    """Per task: methods × families ROC-AUC (P@k in parentheses); then the mean over every model."""
+    out = []
+    methods = _methods_in_order(rows)
+    by = {(r["family"], r["task"], r["method"]): r for r in rows}
+    tasks = [t for t in dict.fromkeys(r["task"] for r in rows) if any("roc_auc" in r for r in rows if r["task"] == t)]
+    models = [(f, t) for f, t in dict.fromkeys((r["family"], r["task"]) for r in rows) if t in tasks]
+    out.append("### Localisation: mean over every model (family × planted task)\n")
+    out.append("| method | " + " | ".join(HEADERS[k] for k in LOCALISATION) + " | models won (ROC-AUC) | "
+               "time (s) |")
+    out.append("|---|" + "---|" * (len(LOCALISATION) + 2))
+    best = {m: max(by[(m[0], m[1], x)]["roc_auc"] for x in methods if (m[0], m[1], x) in by) for m in models}
+    for method in methods:
+        cells = [_fmt(_mean([by[(f, t, method)].get(k) for f, t in models if (f, t, method) in by]))
+                 for k in LOCALISATION]
+        wins = sum(1 for m in models if (m[0], m[1], method) in by and by[(m[0], m[1], method)]["roc_auc"] >= best[m] - 1e-9)
+        seconds = _mean([by[(f, t, method)]["seconds"] for f, t in models if (f, t, method) in by])
+        out.append(f"| {method} | " + " | ".join(cells) + f" | {wins}/{len(models)} | {_fmt(seconds, 2)} |")
+    for task in tasks:
+        families = [f for f, t in models if t == task]
+        out.append(f"\n### {task}: ROC-AUC (precision@k)\n")
+        out.append("| method | " + " | ".join(families) + " |")
+        out.append("|---|" + "---|" * len(families))
+        for method in methods:
+            cells = []
+            for family in families:
+                row = by.get((family, task, method))
+                cells.append("–" if row is None else f"{_fmt(row['roc_auc'], 2)} ({_fmt(row['precision_at_k'], 2)})")
+            out.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def perturbation_table(rows) -> str:
+    """Methods × perturbation scores, mean over every model (planted tasks and BBC News)."""
+    methods = _methods_in_order(rows)
+    out = ["| method | " + " | ".join(HEADERS[k] for k in PERTURBATION) + " |", "|---|" + "---|" * len(PERTURBATION)]
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method and "auac" in r]
+        out.append(f"| {method} | " + " | ".join(_fmt(_mean([r[k] for r in mine]), 3 if k == "auac" else 2)
+                                                  for k in PERTURBATION) + " |")
+    return "\n".join(out)
+
+
+def plots(rows, folder: Path) -> list[str]:
+    """A heatmap of ROC-AUC (methods × models) and the mean activation / MoRF curves; returns the file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    methods = _methods_in_order(rows)
+    models = [m for m in dict.fromkeys((r["family"], r["task"]) for r in rows if "roc_auc" in r)]
+    by = {(r["family"], r["task"], r["method"]): r for r in rows}
+    if models:
+        grid = np.array([[by[(f, t, m)]["roc_auc"] if (f, t, m) in by else np.nan for f, t in models]
+                         for m in methods])
+        fig, ax = plt.subplots(figsize=(1.0 + 0.45 * len(models), 1.0 + 0.32 * len(methods)))
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(models)), [f"{f}\n{t}" for f, t in models], rotation=90, fontsize=7)
+        ax.set_yticks(range(len(methods)), methods, fontsize=7)
+        fig.colorbar(image, ax=ax, label="localisation ROC-AUC")
+        fig.tight_layout()
+        fig.savefig(folder / "roc_auc.png", dpi=110)
+        plt.close(fig)
+        names.append("roc_auc.png")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method and "curves" in r]
+        if not mine:
+            continue
+        style = "-" if mine[0]["group"] in ("ours",) else ("--" if mine[0]["group"] == "captum" else ":")
+        if mine[0]["group"] == "ablation":
+            continue
+        activation = np.mean([r["curves"]["activation"] for r in mine], 0)
+        morf = np.mean([r["curves"]["morf"] for r in mine], 0)
+        axes[0].plot(np.linspace(0, 1, len(activation)), activation, style, label=method, linewidth=1)
+        axes[1].plot(np.linspace(0.1, 0.9, len(morf)), morf, style, label=method, linewidth=1)
+    axes[0].set(title="activation (mean over models): higher is better", xlabel="fraction of tokens put back",
+                ylabel="p(true class)")
+    axes[1].set(title="MoRF deletion: lower is better", xlabel="fraction of most relevant tokens → [UNK]",
+                ylabel="accuracy")
+    axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(folder / "curves.png", dpi=110)
+    plt.close(fig)
+    names.append("curves.png")
+    return names
+
+
+def generated_section(rows, usable, skipped, seconds, command) -> str:
+    parts = [BEGIN, "", f"Last run: `{command}`, {seconds / 60:.1f} min on this machine "
+             "(2 CPU cores, shared). Every method explains the log-probability of the true class over the label "
+             "tokens at the final query token; 64 held-out examples per task (a seed no model saw).", ""]
+    parts.append("### The models\n")
+    parts.append("| family | task | held-out accuracy | training steps | training time (s) | parameters |")
+    parts.append("|---|---|---|---|---|---|")
+    for family, task, record in usable:
+        parts.append(f"| {family} | {task} | {record['held_out_accuracy']:.1%} ({record['held_out_examples']}) | "
+                     f"{record['steps']} | {record['train_seconds']} | {record['parameters']:,} |")
+    for family, task, reason in skipped:
+        parts.append(f"| {family} | {task} | not scored: {reason} | | | |")
+    parts += ["", localisation_tables(rows), "", "### Perturbation: mean over every model", "",
+              "AUAC and AU-MSE over the fractions 0, 0.1 … 1 (trapezoid, x in 0..1); MoRF / LeRF: top-1 accuracy "
+              "after replacing 10 … 90 % of the tokens by `[UNK]`, AUC ×100 over the 9 points 0.1..0.9 (maximum 80, "
+              "no clean point).", "", perturbation_table(rows), "",
+              "![localisation ROC-AUC per method and model](assets/faithfulness/roc_auc.png)", "",
+              "![activation and MoRF curves](assets/faithfulness/curves.png)", "", END]
+    return "\n".join(parts)
+
+
+def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, command: str):
+    assets.mkdir(parents=True, exist_ok=True)
+    (assets / "results.json").write_text(json.dumps(dict(rows=rows, skipped=skipped), indent=0) + "\n")
+    plots(rows, assets)
+    section = generated_section(rows, usable, skipped, seconds, command)
+    text = doc.read_text() if doc.exists() else f"# Faithfulness\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"mamba_captum: {doc} lacks the generated-section markers {BEGIN!r} … {END!r}.")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc.write_text(head + section + tail)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="mamba-captum evaluate", description="The faithfulness comparison "
+                                     "(docs/faithfulness.md) on the shipped tiny classifiers.")
+    parser.add_argument("--family", nargs="*", default=list(FAMILIES))
+    parser.add_argument("--task", nargs="*", default=list(TASKS) + ["bbc_news"])
+    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--no-perturbation", action="store_true", help="localisation only (much faster)")
+    parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
+    parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
+    parser.add_argument("--weights", type=Path, default=None, help=f"default: {weights_root()}")
+    parser.add_argument("--update", action="store_true", help="keep the other models' rows of the existing "
+                        "results.json and replace only the models run now")
+    args = parser.parse_args(argv)
+    from .compare import evaluate_model, evaluation_task, captum_methods, implicit_methods
+
+    usable, skipped = available_models(args.family, args.task, args.weights)
+    start, rows = time.perf_counter(), []
+    tasks = defaultdict(list)
+    for family, task, record in usable:
+        tasks[task].append((family, record))
+    for task_name, entries in tasks.items():
+        task = evaluation_task(task_name, args.examples)
+        for family, record in entries:
+            model, _ = load_classifier(family, task_name, args.weights)
+            methods = implicit_methods(family) + captum_methods()
+            rows += evaluate_model(model, task, methods, family, not args.no_perturbation,
+                                   log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))
+    if args.update and (args.assets / "results.json").exists():
+        ran = {(family, task) for family, task, _ in usable}
+        kept = [r for r in json.loads((args.assets / "results.json").read_text())["rows"]
+                if (r["family"], r["task"]) not in ran]
+        rows = kept + rows
+        usable, skipped = available_models(FAMILIES, list(TASKS) + ["bbc_news"], args.weights)
+        usable = [u for u in usable if any((r["family"], r["task"]) == u[:2] for r in rows)]
+    given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join(["python -m mamba_captum.evaluation", *given])
+    write_report(rows, usable, skipped, time.perf_counter() - start, args.doc, args.assets, command)
+    print(f"wrote {args.doc} and {args.assets}/ ({len(rows)} rows)")
