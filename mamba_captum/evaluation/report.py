@@ -126,11 +126,12 @@ def plots(rows, folder: Path) -> list[str]:
         ax.set_xticks(range(len(models)), [f"{f}\n{t}" for f, t in models], rotation=90, fontsize=7)
         ax.set_yticks(range(len(methods)), methods, fontsize=7)
         fig.colorbar(image, ax=ax, label="localisation ROC-AUC")
-        fig.tight_layout()
-        fig.savefig(folder / "roc_auc.png", dpi=110)
+        fig.savefig(folder / "roc_auc.png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         names.append("roc_auc.png")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax in axes:
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # 20 distinct colours: the default cycle repeats after 10
     for method in methods:
         mine = [r for r in rows if r["method"] == method and "curves" in r]
         if not mine:
@@ -147,16 +148,18 @@ def plots(rows, folder: Path) -> list[str]:
     axes[1].set(title="MoRF deletion: lower is better", xlabel="fraction of most relevant tokens → [UNK]",
                 ylabel="accuracy")
     axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(folder / "curves.png", dpi=110)
+    fig.savefig(folder / "curves.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     names.append("curves.png")
     return names
 
 
 def generated_section(rows, usable, skipped, seconds, command) -> str:
-    parts = [BEGIN, "", f"Last run: `{command}`, {seconds / 60:.1f} min on this machine "
-             "(2 CPU cores, shared). Every method explains the log-probability of the true class over the label "
+    parts = [BEGIN, "", "The rows of `docs/assets/faithfulness/results.json`, written by "
+             "`python -m mamba_captum.evaluation` "
+             "(`--update` merges models run separately, `--report-only` rewrites this section from the file); "
+             f"the last command was `{command}`. Times: 2 CPU cores, shared. Every method explains the "
+             "log-probability of the true class over the label "
              "tokens at the final query token; 64 held-out examples per task (a seed no model saw).", ""]
     parts.append("### The models\n")
     parts.append("| family | task | held-out accuracy | training steps | training time (s) | parameters |")
@@ -198,11 +201,21 @@ def main(argv=None):
     parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
     parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
     parser.add_argument("--weights", type=Path, default=None, help=f"default: {weights_root()}")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the tables and plots from the existing "
+                        "results.json without running any model")
     parser.add_argument("--update", action="store_true", help="keep the other models' rows of the existing "
                         "results.json and replace only the models run now")
     args = parser.parse_args(argv)
     from .compare import evaluate_model, evaluation_task, captum_methods, implicit_methods
 
+    if args.report_only:
+        rows = json.loads((args.assets / "results.json").read_text())["rows"]
+        usable, skipped = available_models(FAMILIES, list(TASKS) + ["bbc_news"], args.weights)
+        usable = [u for u in usable if any((r["family"], r["task"]) == u[:2] for r in rows)]
+        write_report(rows, usable, skipped, sum(r["seconds"] for r in rows), args.doc, args.assets,
+                     "python -m mamba_captum.evaluation --report-only")
+        print(f"rewrote {args.doc} from {args.assets}/results.json ({len(rows)} rows)")
+        return
     usable, skipped = available_models(args.family, args.task, args.weights)
     start, rows = time.perf_counter(), []
     tasks = defaultdict(list)
