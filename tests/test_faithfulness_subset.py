@@ -95,7 +95,6 @@ def test_labels_and_masks_follow_from_the_tokens_for_every_task():
 
 
 def test_real_words_plants_lexicon_words_of_one_sign():
-    pytest.importorskip("vaderSentiment", reason="the real_words task needs vaderSentiment (the test extra has it)")
     from mamba_captum.evaluation.tasks import vader_words
     positive, negative, neutral = vader_words()
     task = make_task("real_words", 32, seed=1)

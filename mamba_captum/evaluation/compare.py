@@ -200,7 +200,8 @@ def evaluate_model(model, task: ClassificationTask, methods, family: str = "", p
 
 
 def evaluate(families=FAMILIES, tasks=TASKS, methods: Callable | None = None, examples: int = 64,
-             perturbation: bool = True, explained: str = "log_prob", weights_root=None, log=None) -> list[dict]:
+             perturbation: bool = True, explained: str = "log_prob", weights_root=None, pairs=None,
+             log=None) -> list[dict]:
     """Run the comparison over the shipped tiny classifiers.
 
     Args:
@@ -211,20 +212,22 @@ def evaluate(families=FAMILIES, tasks=TASKS, methods: Callable | None = None, ex
         explained: the number every method explains: ``"log_prob"`` (log-softmax of the true class over the K label
             tokens) or ``"logit"`` (its raw next-token logit, which a tiny LM can lower for the true class while it
             lowers the other classes' more).
+        pairs: explicit (family, task) pairs instead of ``families`` × ``tasks``.
     Returns:
-        one dict per family × task × method (plus the model's training record under ``family``/``task``).
+        one dict per family × task × method (plus the model's held-out accuracy).
     """
     methods = methods or (lambda family: implicit_methods(family) + captum_methods())
-    rows = []
-    for task_name in tasks:
-        task = evaluation_task(task_name, examples)
-        for family in families:
-            if task_name == "bbc_news" and family != "mamba":
-                continue
-            model, record = load_classifier(family, task_name, weights_root)
-            for row in evaluate_model(model, task, methods(family), family, perturbation, explained, log):
-                row["held_out_accuracy"] = record["held_out_accuracy"]
-                rows.append(row)
+    if pairs is None:
+        pairs = [(f, t) for t in tasks for f in families if t != "bbc_news" or f == "mamba"]
+    rows, held_out = [], {}
+    for family, task_name in pairs:
+        if task_name not in held_out:
+            held_out[task_name] = evaluation_task(task_name, examples)
+        model, record = load_classifier(family, task_name, weights_root)
+        for row in evaluate_model(model, held_out[task_name], methods(family), family, perturbation, explained,
+                                  log):
+            row["held_out_accuracy"] = record["held_out_accuracy"]
+            rows.append(row)
     return rows
 
 

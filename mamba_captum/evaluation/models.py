@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 from ..fast_scans import fast_scans
-from .tasks import ClassificationTask, _long_range, bbc_news, make_task, task_vocab
+from .tasks import ClassificationTask, _long_range, bbc_news, make_task
 
 FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba")
 OTHER_FAMILIES = ("bamba",)
@@ -175,17 +175,19 @@ def save_classifier(model, record: dict, root: Path | None = None) -> Path:
     return path
 
 
+def training_record(family: str, task_name: str, root: Path | None = None) -> dict:
+    """The training record shipped with a classifier (steps, time, held-out accuracy), without loading it."""
+    path = (root or weights_root()) / f"{family}-{task_name}" / "training.json"
+    if not path.exists():
+        raise FileNotFoundError(f"mamba_captum: no trained classifier at {path.parent}; regenerate the weights with "
+                                f"`python -m mamba_captum.evaluation.train --family {family} --task {task_name}`.")
+    return json.loads(path.read_text())
+
+
 def load_classifier(family: str, task_name: str, root: Path | None = None):
     """The shipped tiny classifier of ``family`` on ``task_name``, loaded with ``from_pretrained`` (eval mode).
     Returns ``(model, record)``."""
+    record = training_record(family, task_name, root)
     path = (root or weights_root()) / f"{family}-{task_name}"
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"mamba_captum: no trained classifier at {path}; regenerate the weights with "
-                                f"`python -m mamba_captum.evaluation.train --family {family} --task {task_name}`.")
-    model = tf.AutoModelForCausalLM.from_pretrained(path).eval()
-    record = json.loads((path / "training.json").read_text())
-    return model, record
+    return tf.AutoModelForCausalLM.from_pretrained(path).eval(), record
 
-
-def vocab_for(task_name: str) -> list:
-    return bbc_news()[0].vocab if task_name == "bbc_news" else task_vocab(task_name)

@@ -12,10 +12,9 @@ import json
 import math
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
-from .models import FAMILIES, load_classifier, weights_root
+from .models import FAMILIES, training_record, weights_root
 from .tasks import TASKS
 
 BEGIN, END = "<!-- generated:begin (python -m mamba_captum.evaluation) -->", "<!-- generated:end -->"
@@ -35,7 +34,7 @@ def available_models(families, tasks, root=None, bar=ACCURACY_BAR):
             if task == "bbc_news" and family != "mamba":
                 continue
             try:
-                _, record = load_classifier(family, task, root)
+                record = training_record(family, task, root)
             except FileNotFoundError:
                 skipped.append((family, task, "not trained"))
                 continue
@@ -206,8 +205,6 @@ def main(argv=None):
     parser.add_argument("--update", action="store_true", help="keep the other models' rows of the existing "
                         "results.json and replace only the models run now")
     args = parser.parse_args(argv)
-    from .compare import evaluate_model, evaluation_task, captum_methods, implicit_methods
-
     if args.report_only:
         rows = json.loads((args.assets / "results.json").read_text())["rows"]
         usable, skipped = available_models(FAMILIES, list(TASKS) + ["bbc_news"], args.weights)
@@ -216,18 +213,13 @@ def main(argv=None):
                      "python -m mamba_captum.evaluation --report-only")
         print(f"rewrote {args.doc} from {args.assets}/results.json ({len(rows)} rows)")
         return
+    from .compare import evaluate
+
     usable, skipped = available_models(args.family, args.task, args.weights)
-    start, rows = time.perf_counter(), []
-    tasks = defaultdict(list)
-    for family, task, record in usable:
-        tasks[task].append((family, record))
-    for task_name, entries in tasks.items():
-        task = evaluation_task(task_name, args.examples)
-        for family, record in entries:
-            model, _ = load_classifier(family, task_name, args.weights)
-            methods = implicit_methods(family) + captum_methods()
-            rows += evaluate_model(model, task, methods, family, not args.no_perturbation,
-                                   log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))
+    start = time.perf_counter()
+    rows = evaluate(pairs=[(family, task) for family, task, _ in usable], examples=args.examples,
+                    perturbation=not args.no_perturbation, weights_root=args.weights,
+                    log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))
     if args.update and (args.assets / "results.json").exists():
         ran = {(family, task) for family, task, _ in usable}
         kept = [r for r in json.loads((args.assets / "results.json").read_text())["rows"]

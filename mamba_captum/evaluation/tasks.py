@@ -241,11 +241,6 @@ def make_task(name: str, count: int, seed: int, length: int | None = None) -> Cl
     return maker(int(count), length, torch.Generator().manual_seed(int(seed)))
 
 
-def task_vocab(name: str) -> list:
-    """The vocabulary of task ``name`` (independent of the seed)."""
-    return make_task(name, 1, 0).vocab
-
-
 # BBC News: five classes, real text, no token-level truth.
 BBC_CLASSES = ("business", "entertainment", "politics", "sports", "tech")
 _WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
