@@ -1,4 +1,5 @@
-"""The installed, non-editable wheel ships the kernels as mamba_captum.kernels (no top-level `kernels`)."""
+"""The installed, non-editable wheel ships the kernels as mamba_captum.kernels (no top-level `kernels`) and the
+evaluation suite's tiny trained classifiers."""
 import os
 import subprocess
 import sys
@@ -16,6 +17,8 @@ def test_wheel_installs_kernels_under_the_library_namespace(tmp_path):
     assert "mamba_captum/kernels/selective/blocked.py" in names
     assert "mamba_captum/kernels/ssd/naive.py" in names
     assert not any(name.startswith("kernels/") for name in names)  # HF's kernel-hub package owns that name
+    for shipped in ("config.json", "model.safetensors", "training.json"):  # the faithfulness suite's classifiers
+        assert f"mamba_captum/evaluation/weights/rwkv-needle/{shipped}" in names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)
