@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 from ..fast_scans import fast_scans
-from .tasks import ClassificationTask, _long_range, bbc_news, make_task
+from .tasks import ClassificationTask, _long_range, _negation, bbc_news, make_task
 
 FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba")
 OTHER_FAMILIES = ("bamba",)
@@ -110,6 +110,10 @@ def _batches(task_name, seed, batch, bbc_train=None):
             # it the tiny Mamba / Mamba-2 / Griffin models stayed at chance for 1500 steps at 256 tokens
             length = 64 if step < CURRICULUM_STEPS else 128
             yield _long_range(batch, length, torch.Generator().manual_seed(seed * 100_003 + step))
+        elif task_name == "negation" and step < CURRICULUM_STEPS:
+            # a curriculum: markers without the modifier first; Griffin and Jamba stayed at chance on the XOR of
+            # marker and modifier for 3,000 steps without it
+            yield _negation(batch, 48, torch.Generator().manual_seed(seed * 100_003 + step), modifiers=False)
         elif bbc_train is None:
             yield make_task(task_name, batch, seed=seed * 100_003 + step)
         else:

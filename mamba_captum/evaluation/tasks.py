@@ -118,7 +118,7 @@ def _needle(count, length, generator):
     return _finish("needle", vocab, label_ids, ids, labels, relevant)
 
 
-def _negation(count, length, generator):
+def _negation(count, length, generator, modifiers=True):
     positive, negative = ["good", "great"], ["bad", "awful"]
     fillers = [f"w{k}" for k in range(40)]
     vocab, label_ids, ids_of = _vocab(2, positive + negative + ["not"] + fillers)
@@ -126,7 +126,7 @@ def _negation(count, length, generator):
     relevant = torch.zeros(count, length, dtype=torch.bool)
     sentiment = torch.randint(0, 2, (count,), generator=generator)  # 1 = positive marker
     which = torch.randint(0, 2, (count,), generator=generator)
-    negated = torch.randint(0, 2, (count,), generator=generator)
+    negated = torch.randint(0, 2, (count,), generator=generator) * int(modifiers)  # same draws either way
     distractor = torch.randint(0, 2, (count,), generator=generator)
     where = torch.randint(1, length - 1, (count,), generator=generator)
     other = torch.randint(0, length - 1, (count,), generator=generator)
