@@ -2,13 +2,12 @@
 and a tiny RecurrentGemma (Griffin), trained here (seconds) on the same recall task, explained on the same held-out
 sequences. The evidence for the answer is the marker and the recalled token right after it; each method listed must
 rank that pair first, and must not on an untrained model of the same shape."""
-import contextlib
-
 import pytest
 import torch
 import transformers as tf
 
 import mamba_captum as mc
+from mamba_captum.evaluation.models import one_thread
 from test_trained_marker import ANSWERS, hits, sequences
 
 VOCAB = int(ANSWERS.max()) + 1
@@ -31,23 +30,11 @@ def griffin_recall_config(block_types=HYBRID):
     return config
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One thread: the same weights on any machine, and 32-wide layers gain nothing from more (training on a busy
-    2-core machine was 10-20x slower on two threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _train(model, steps):
     # use_cache=False: HF's RecurrentGemma cache fails on a model without attention layers (get_seq_length).
     optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(0)
-    with _one_thread():
+    with one_thread():
         for _ in range(steps):
             ids, answer, _ = sequences(64, generator)
             loss = torch.nn.functional.cross_entropy(model(ids, use_cache=False).logits[:, -1], answer)
@@ -106,7 +93,7 @@ def trained(held_out):
 
 def share(method, model, held_out, options):
     ids, answer, where = held_out
-    with _one_thread():
+    with one_thread():
         return hits(method(model).attribute(ids, target=answer, **options), where)
 
 

@@ -355,6 +355,10 @@ def activation_curve(forward_func: Callable[[torch.Tensor], torch.Tensor], input
     return evidence.mean(-1)
 
 
+def _fraction_area(curve, fractions):
+    return _area(curve, _grid(fractions, DEFAULT_FRACTIONS, "fractions").double(), "curve")
+
+
 def auac(curve, fractions=None) -> float:
     """Area under the activation curve: ``trapezoid(curve, fractions)``; higher is better.
 
@@ -362,7 +366,7 @@ def auac(curve, fractions=None) -> float:
         curve: (F,) from ``activation_curve`` (or (..., F), giving a tensor of areas).
         fractions: the (F,) fractions the curve was computed at; default 0.0, 0.1, ..., 1.0.
     """
-    return _area(curve, _grid(fractions, DEFAULT_FRACTIONS, "fractions").double(), "curve")
+    return _fraction_area(curve, fractions)
 
 
 def pruning_curve(forward_func: Callable[[torch.Tensor], torch.Tensor], input_ids, relevance, target,
@@ -396,7 +400,7 @@ def au_mse(curve, fractions=None) -> float:
         curve: (F,) from ``pruning_curve`` (or (..., F), giving a tensor of areas).
         fractions: the (F,) fractions the curve was computed at; default 0.0, 0.1, ..., 1.0.
     """
-    return _area(curve, _grid(fractions, DEFAULT_FRACTIONS, "fractions").double(), "curve")
+    return _fraction_area(curve, fractions)
 
 
 def deletion_curve(forward_func: Callable[[torch.Tensor], torch.Tensor], input_ids, relevance, target,

@@ -135,9 +135,9 @@ def plots(rows, folder: Path) -> list[str]:
         mine = [r for r in rows if r["method"] == method and "curves" in r]
         if not mine:
             continue
-        style = "-" if mine[0]["group"] in ("ours",) else ("--" if mine[0]["group"] == "captum" else ":")
-        if mine[0]["group"] == "ablation":
+        if mine[0]["group"] == "ablation":  # scored by localisation only: no curves
             continue
+        style = {"ours": "-", "captum": "--"}.get(mine[0]["group"], ":")
         activation = np.mean([r["curves"]["activation"] for r in mine], 0)
         morf = np.mean([r["curves"]["morf"] for r in mine], 0)
         axes[0].plot(np.linspace(0, 1, len(activation)), activation, style, label=method, linewidth=1)
