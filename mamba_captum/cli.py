@@ -1,20 +1,189 @@
-"""The ``mamba-captum`` command: ``mamba-captum evaluate [...]`` runs the faithfulness comparison
-(docs/faithfulness.md)."""
+"""The ``mamba-captum`` command.
+
+  mamba-captum demo       explain the bundled demo model's test sentences; prints top tokens, writes an HTML report
+  mamba-captum explain    explain texts (or a JSONL dataset) with any local HF checkpoint directory
+  mamba-captum matrices   save each layer's implicit-attention map of a text as PNG
+  mamba-captum evaluate   the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)
+
+Problems with what was asked (a missing directory, an unsupported model, a too-long text, an unknown target) are
+one line on stderr and exit code 2.
+"""
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from pathlib import Path
+
+from .explain import DTYPES, METHODS, UsageError
+
+COMMANDS = {"demo": "explain the bundled demo model's test sentences and write an HTML report",
+            "explain": "explain texts or a JSONL dataset with a local HF checkpoint directory",
+            "matrices": "save each layer's implicit-attention map of a text as a PNG",
+            "evaluate": "the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)"}
 
 
-def main(argv=None):
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2 (argparse prints usage first)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _common(parser, model_required=True):
+    if model_required:
+        parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained)")
+    parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights' dtype (default float32)")
+
+
+def _method_args(parser):
+    parser.add_argument("--method", action="append", choices=list(METHODS),
+                        help="raw, rollout or attribution; repeat for several (default: all three)")
+    parser.add_argument("--target", default=None,
+                        help="what to explain: a label word / token, or an id (default: the prediction)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="a causal LM's candidate answer tokens (default: config.label_words if set)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mamba-captum", description="Implicit-attention explanations of Mamba-family models.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, text in COMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text, add_help=name != "evaluate")
+        if name == "demo":
+            sub.add_argument("--out", type=Path, default=Path("mamba-captum-demo.html"), help="the HTML report")
+            _common(sub, model_required=False)
+        elif name == "explain":
+            _common(sub)
+            _method_args(sub)
+            source = sub.add_mutually_exclusive_group(required=True)
+            source.add_argument("--text", action="append", help="a text to explain (repeatable)")
+            source.add_argument("--dataset", type=Path, help='a JSONL file, one {"text": ..., "target": ...} a line')
+            sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
+            sub.add_argument("--jsonl", type=Path, default=None,
+                             help="the results as JSONL (default with --dataset: DATASET.explained.jsonl)")
+        elif name == "matrices":
+            _common(sub)
+            sub.add_argument("--text", required=True)
+            sub.add_argument("--out-dir", type=Path, default=Path("matrices"))
+            sub.add_argument("--scale", type=int, default=8, help="pixels per map entry (default 8)")
+    return parser
+
+
+def _print_summary(explanations, file=sys.stdout):
+    for item in explanations:
+        print(f"{item.text!r}: {item.prediction} (p = {item.probability:.3f}); explained: {item.target}", file=file)
+        for name in item.relevance:
+            tops = ", ".join(f"{token} {score:+.3f}" for token, score in item.top_tokens(name))
+            print(f"  {name:>11}: {tops}", file=file)
+
+
+def _write_report(explanations, out: Path, title: str):
+    from .html_report import render_html
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(explanations, title=title), encoding="utf-8")
+    print(f"report: {out}")
+
+
+def _read_dataset(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise UsageError(f"dataset {str(path)!r} does not exist.")
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path}:{number} is not JSON ({error.msg}).") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise UsageError(f'{path}:{number} has no "text" string; each line must be {{"text": ..., '
+                             '"target": ... (optional)}.')
+        rows.append(row)
+    if not rows:
+        raise UsageError(f"dataset {str(path)!r} holds no lines.")
+    return rows
+
+
+def _demo(args):
+    from .demo import DEMO_TEXTS, model_dir
+    from .explain import explain, load
+
+    model, tokenizer = load(model_dir(), device=args.device, dtype=args.dtype)
+    explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
+    for item in explanations:
+        item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
+    _print_summary(explanations)
+    _write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
+
+
+def _explain(args):
+    from .explain import explain, load
+
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    methods = args.method or list(METHODS)
+    if args.text:
+        explanations = explain(model, tokenizer, args.text, target=args.target, methods=methods,
+                               formulation=args.formulation, labels=args.labels, layer_maps=args.out is not None)
+        _print_summary(explanations)
+    else:
+        from tqdm.auto import tqdm
+
+        rows = _read_dataset(args.dataset)
+        explanations = []
+        for row in tqdm(rows, desc="explaining", unit="text"):
+            explanations += explain(model, tokenizer, row["text"], target=row.get("target", args.target),
+                                    methods=methods, formulation=args.formulation, labels=args.labels,
+                                    layer_maps=args.out is not None)
+    jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
+    if jsonl is not None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with jsonl.open("w", encoding="utf-8") as handle:
+            for item in explanations:
+                handle.write(json.dumps(item.to_dict()) + "\n")
+        print(f"results: {jsonl} ({len(explanations)} lines)")
+    if args.out is not None:
+        _write_report(explanations, args.out, f"mamba-captum: {Path(args.model).name}")
+
+
+def _matrices(args):
+    from .explain import explain, load
+    from .html_report import map_png
+
+    if args.scale < 1:
+        raise UsageError(f"--scale must be at least 1, not {args.scale}.")
+    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for layer, matrix in item.layer_maps.items():
+        (args.out_dir / f"layer_{layer:02d}.png").write_bytes(map_png(matrix, args.scale))
+    (args.out_dir / "tokens.json").write_text(json.dumps(item.tokens) + "\n")
+    print(f"{len(item.layer_maps)} layer maps ({len(item.tokens)} tokens, {args.formulation}) in {args.out_dir}")
+
+
+def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"evaluate": "the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        listing = "\n".join(f"  {name:10s} {text}" for name, text in commands.items())
-        print(f"usage: mamba-captum COMMAND [options]\n\ncommands:\n{listing}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    if argv[0] == "evaluate":
+    if argv and argv[0] == "evaluate":  # its own parser (mamba_captum.evaluation.report)
         from .evaluation.report import main as evaluate
+
         evaluate(argv[1:])
+        return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
+    try:
+        {"demo": _demo, "explain": _explain, "matrices": _matrices}[args.command](args)
+    except UsageError as error:
+        print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -23,6 +23,7 @@ FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba")
 # Bamba also has a tiny config (tiny_config("bamba", ...)) but never left chance on needle: see docs/faithfulness.md.
 WEIGHTS = "weights"
 CURRICULUM_STEPS = 200
+LONG_RANGE_STAGES = (64, 128, 192, 256)
 
 
 def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfig:
@@ -101,15 +102,15 @@ def accuracy(model, task: ClassificationTask, batch_size: int = 128) -> float:
     return hits / len(task.labels)
 
 
-def _batches(task_name, seed, batch, bbc_train=None):
+def _batches(task_name, seed, batch, bbc_train=None, stage_length=None):
     generator = torch.Generator().manual_seed(seed)
     step = 0
     while True:
-        if task_name == "long_range" and step < 2 * CURRICULUM_STEPS:
-            # a curriculum: the same task on 64, then 128 tokens first (the key still in the first tenth); without
-            # it the tiny Mamba / Mamba-2 / Griffin models stayed at chance for 1500 steps at 256 tokens
-            length = 64 if step < CURRICULUM_STEPS else 128
-            yield _long_range(batch, length, torch.Generator().manual_seed(seed * 100_003 + step))
+        if task_name == "long_range" and stage_length() < LONG_RANGE_STAGES[-1]:
+            # a curriculum: the same task on 64, 128, 192 tokens first (the key still in the first tenth), each stage
+            # until it is learned; at 256 tokens from the start, or with fixed 200-step stages, the tiny Mamba and
+            # Griffin models stayed at chance for 2,000 steps
+            yield _long_range(batch, stage_length(), torch.Generator().manual_seed(seed * 100_003 + step))
         elif task_name == "negation" and step < CURRICULUM_STEPS:
             # a curriculum: markers without the modifier first; Griffin and Jamba stayed at chance on the XOR of
             # marker and modifier for 3,000 steps without it
@@ -139,10 +140,14 @@ def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int 
     model = new_classifier(family, len(vocab), length, seed)
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     validation = bbc_test if bbc_train is not None else make_task(task_name, 256, seed=10_000 + seed)
+    stage = [0]  # long_range: the curriculum's stage, advanced when the model has learned it
+    stage_validation = [_long_range(256, length, torch.Generator().manual_seed(10_000 + seed + length))
+                        for length in LONG_RANGE_STAGES[:-1]] + [validation]
     start, steps = time.perf_counter(), 0
     # fast_scans: Mamba-1 / Jamba train on the blocked torch scan (same math as HF's per-token loop, ~10x faster).
     with one_thread(), fast_scans(model):
-        for steps, examples in enumerate(_batches(task_name, seed, batch, bbc_train), start=1):
+        batches = _batches(task_name, seed, batch, bbc_train, lambda: LONG_RANGE_STAGES[stage[0]])
+        for steps, examples in enumerate(batches, start=1):
             model.train()
             logits = model(examples.input_ids, use_cache=False).logits[:, -1]
             loss = torch.nn.functional.cross_entropy(logits, examples.label_tokens)
@@ -152,6 +157,14 @@ def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int 
             optimiser.step()
             if steps % 50 == 0 or steps == max_steps:
                 model.eval()
+                if task_name == "long_range" and LONG_RANGE_STAGES[stage[0]] < LONG_RANGE_STAGES[-1]:
+                    valid = accuracy(model, stage_validation[stage[0]])
+                    if log:
+                        log(f"{family}/{task_name} step {steps} loss {loss.item():.4f} validation at "
+                            f"{LONG_RANGE_STAGES[stage[0]]} tokens {valid:.3f}")
+                    stage[0] += valid >= target_accuracy
+                    if steps < max_steps:
+                        continue
                 valid = accuracy(model, validation)
                 if log:
                     log(f"{family}/{task_name} step {steps} loss {loss.item():.4f} validation {valid:.3f}")
