@@ -1,5 +1,5 @@
-"""The installed, non-editable wheel ships the kernels as mamba_captum.kernels (no top-level `kernels`) and the
-evaluation suite's tiny trained classifiers."""
+"""The installed, non-editable wheel ships the kernels as mamba_captum.kernels (no top-level `kernels`), the
+evaluation suite's tiny trained classifiers and the demo model."""
 import os
 import subprocess
 import sys
@@ -19,6 +19,8 @@ def test_wheel_installs_kernels_under_the_library_namespace(tmp_path):
     assert not any(name.startswith("kernels/") for name in names)  # HF's kernel-hub package owns that name
     for shipped in ("config.json", "model.safetensors", "training.json"):  # the faithfulness suite's classifiers
         assert f"mamba_captum/evaluation/weights/rwkv-needle/{shipped}" in names
+    for shipped in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "training.json"):
+        assert f"mamba_captum/demo/model/{shipped}" in names  # the demo model of `mamba-captum demo`
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True)

@@ -1,0 +1,165 @@
+"""``AttributionCallback``: explain fixed probe examples while a HF ``Trainer`` trains, and log what it finds."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+from transformers.integrations import TensorBoardCallback
+
+from .explain import METHODS, explain, explain_ids
+from .html_report import map_rgb, render_html, token_heatmap
+
+PREFIX = "mamba_captum"
+
+
+def top_k_mass(relevance, k: int) -> float:
+    """Share of the total |relevance| on the ``k`` largest-|relevance| tokens (1 = all on k tokens)."""
+    scores = torch.tensor(relevance, dtype=torch.float64).abs()
+    total = scores.sum()
+    return float(scores.topk(min(k, scores.numel())).values.sum() / total) if total > 0 else 0.0
+
+
+class AttributionCallback(TrainerCallback):
+    """Explains probe examples on every ``every``-th evaluation (rank 0 only) and logs:
+
+    - scalars to the evaluation metrics (``trainer.evaluate()``'s result and ``state.log_history``) and to
+      TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over probes of the share of |relevance| on the top-k
+      tokens) and ``mamba_captum/target_probability``;
+    - figures: each probe's last-layer implicit-attention map as an image and its token heatmaps as text, to the
+      Trainer's TensorBoard writer (``TensorBoardCallback.tb_writer``) and to W&B when ``report_to`` includes them;
+    - always, a fallback under ``output_dir/mamba_captum/step-<N>/``: ``report.html`` and ``explanations.jsonl``.
+
+    The model's train / eval mode is restored afterwards; the methods use ``torch.autograd.grad`` and leave no
+    ``.grad``, hooks or state on the model.
+
+    Args:
+        texts: probe texts (needs ``tokenizer`` or the Trainer's ``processing_class``); or None to take the first
+            ``probes`` examples of ``eval_dataloader`` (their ``input_ids`` / ``attention_mask``).
+        tokenizer: the tokenizer (default: the Trainer's ``processing_class``).
+        every: explain on every ``every``-th evaluation (1 = each).
+        method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``); the first is imaged.
+        top_k: k of the top-k relevance mass.
+        probes: how many eval examples to take when ``texts`` is None.
+        target, labels, formulation: as :func:`mamba_captum.explain.explain`.
+    """
+
+    def __init__(self, texts=None, *, tokenizer=None, every: int = 1, method=("attribution",), top_k: int = 3,
+                 probes: int = 2, target=None, labels=None, formulation: str = "unified"):
+        if every < 1:
+            raise ValueError(f"mamba_captum: every must be at least 1, not {every}.")
+        methods = (method,) if isinstance(method, str) else tuple(method)
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown or not methods:
+            raise ValueError(f"mamba_captum: unknown method {unknown or methods}; choose among {', '.join(METHODS)}.")
+        self.texts = [texts] if isinstance(texts, str) else (list(texts) if texts is not None else None)
+        self.tokenizer, self.every, self.methods, self.top_k = tokenizer, every, methods, top_k
+        self.probes, self.target, self.labels, self.formulation = probes, target, labels, formulation
+        self.evaluations = 0
+        self.trainer = None
+
+    def attach(self, trainer):
+        """Add this callback to ``trainer`` and remember it, so figures go to its TensorBoard writer (a callback
+        passed through ``Trainer(callbacks=[...])`` cannot see the other callbacks: it writes its own event file
+        under ``logging_dir`` instead). Returns ``self``."""
+        trainer.add_callback(self)
+        self.trainer = trainer
+        return self
+
+    # -- the work ----------------------------------------------------------------------------------------------------
+    def _explanations(self, model, tokenizer, eval_dataloader):
+        options = dict(target=self.target, methods=self.methods, formulation=self.formulation, labels=self.labels)
+        if self.texts is not None:
+            if tokenizer is None:
+                raise ValueError("mamba_captum: AttributionCallback(texts=...) needs tokenizer= (or a Trainer with "
+                                 "processing_class=).")
+            return explain(model, tokenizer, self.texts, **options)
+        if eval_dataloader is None:
+            raise ValueError("mamba_captum: AttributionCallback without texts= takes its probes from the "
+                             "eval_dataloader, and the Trainer has none; pass texts=.")
+        batch = next(iter(eval_dataloader))
+        ids = batch["input_ids"][:self.probes]
+        mask = batch.get("attention_mask")
+        mask = torch.ones_like(ids) if mask is None else mask[:self.probes]
+        return explain_ids(model, tokenizer, (ids, mask), **options)
+
+    def _scalars(self, explanations) -> dict:
+        scalars = {f"{PREFIX}/{name}_top{self.top_k}_mass":
+                   sum(top_k_mass(e.relevance[name], self.top_k) for e in explanations) / len(explanations)
+                   for name in self.methods}
+        scalars[f"{PREFIX}/target_probability"] = sum(e.target_probability for e in explanations) / len(explanations)
+        return scalars
+
+    def _tensorboard_writer(self, args):
+        if self.trainer is not None:
+            for callback in self.trainer.callback_handler.callbacks:
+                if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                    return callback.tb_writer, False
+        if "tensorboard" not in (args.report_to or []):
+            return None, False
+        from torch.utils.tensorboard import SummaryWriter
+
+        logging_dir = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs", PREFIX)
+        return SummaryWriter(log_dir=logging_dir), True
+
+    def _figures(self, args, state, explanations, scalars):
+        writer, own = self._tensorboard_writer(args)
+        images = {}
+        for number, item in enumerate(explanations):
+            if item.layer_maps:
+                last = max(item.layer_maps)
+                images[f"{PREFIX}/probe{number}/layer{last}_map"] = map_rgb(item.layer_maps[last], scale=8)
+        if writer is not None:
+            for name, value in scalars.items():
+                writer.add_scalar(name, value, state.global_step)
+            for name, rgb in images.items():
+                writer.add_image(name, rgb.numpy(), state.global_step, dataformats="HWC")
+            for number, item in enumerate(explanations):
+                line = "; ".join(f"{name}: " + ", ".join(f"{t} {s:+.3f}" for t, s in item.top_tokens(name))
+                                 for name in item.relevance)
+                writer.add_text(f"{PREFIX}/probe{number}", f"{item.text} -> {item.prediction} | {line}",
+                                state.global_step)
+            writer.flush()
+            if own:
+                writer.close()
+        if "wandb" in (args.report_to or []):
+            try:
+                import wandb
+            except ImportError:
+                wandb = None
+            if wandb is not None and wandb.run is not None:
+                logged = {name: wandb.Image(rgb.numpy()) for name, rgb in images.items()}
+                logged[f"{PREFIX}/heatmaps"] = wandb.Html("<br>".join(
+                    token_heatmap(e.tokens, e.relevance[self.methods[0]]) for e in explanations))
+                wandb.log({**scalars, **logged}, step=state.global_step)
+
+    def _fallback(self, args, state, explanations):
+        folder = Path(args.output_dir) / PREFIX / f"step-{state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.html").write_text(render_html(explanations, title=f"mamba-captum probes at step "
+                                                                              f"{state.global_step}"), encoding="utf-8")
+        with (folder / "explanations.jsonl").open("w", encoding="utf-8") as handle:
+            for item in explanations:
+                handle.write(json.dumps(item.to_dict()) + "\n")
+
+    # -- the event -----------------------------------------------------------------------------------------------------
+    def on_evaluate(self, args, state, control, model=None, processing_class=None, eval_dataloader=None,
+                    metrics=None, **kwargs):
+        self.evaluations += 1
+        if not state.is_world_process_zero or (self.evaluations - 1) % self.every:
+            return
+        tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
+        was_training = model.training
+        model.eval()
+        try:
+            explanations = self._explanations(model, tokenizer, eval_dataloader)
+        finally:
+            model.train(was_training)
+        scalars = self._scalars(explanations)
+        if metrics is not None:
+            metrics.update(scalars)
+        state.log_history.append({**scalars, "step": state.global_step})
+        self._figures(args, state, explanations, scalars)
+        self._fallback(args, state, explanations)
