@@ -3,8 +3,8 @@ from .attention import ReconstructionError, build_operators, implicit_attention
 from .attr import MambaAttribution, MambaRawAttention, MambaRollout, RWKVAttribution
 from .fast_scans import fast_scans
 from .families import SUPPORTED_MIXERS
-from .viz import to_visualization_record
+from .viz import as_hf_attentions, to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "SUPPORTED_MIXERS", "MambaAttribution",
-           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans", "to_visualization_record"]
+           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans", "to_visualization_record", "as_hf_attentions"]
 __version__ = "0.1.0"

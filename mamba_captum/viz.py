@@ -109,3 +109,25 @@ def generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relev
     return LLMAttributionResult(input_tokens=list(input_tokens), output_tokens=_token_names(target_ids, tokenizer),
                                 seq_attr=token_attr.sum(0), token_attr=token_attr, output_probs=probs,
                                 inp=inp if isinstance(inp, TextTokenInput) else None)
+
+
+# -- the output_attentions layout (bertviz) -------------------------------------------------------------------------
+def as_hf_attentions(model, input_ids, attention_mask=None, *, formulation="unified", reduce="abs_mean",
+                     **forward_kwargs) -> tuple:
+    """The per-layer implicit attention in HF's ``output_attentions`` layout, for tools that read it (bertviz's
+    ``head_view`` / ``model_view``).
+
+    Args:
+        model, input_ids, attention_mask, formulation, **forward_kwargs: as :func:`mamba_captum.implicit_attention`.
+        reduce: the channel reduction (default ``"abs_mean"``: non-negative, like attention probabilities; softmax
+            layers of hybrids give their head-mean probabilities either way).
+    Returns:
+        a tuple with one (B, 1, L, L) tensor per decoder layer, in layer order (one "head": the channel-reduced
+        map). Zamba2's shared attention block, which has no decoder-layer index of its own, is left out.
+    """
+    from .attention import implicit_attention
+
+    maps = implicit_attention(model, input_ids, attention_mask, formulation=formulation, reduce=reduce,
+                              **forward_kwargs)
+    layers = sorted(key for key in maps if isinstance(key, int))
+    return tuple(maps[layer][:, None] for layer in layers)
