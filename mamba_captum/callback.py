@@ -43,7 +43,9 @@ class AttributionCallback(TrainerCallback):
         method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``); the first is imaged.
         top_k: k of the top-k relevance mass.
         probes: how many eval examples to take when ``texts`` is None.
-        target, labels, formulation: as :func:`mamba_captum.explain.explain`.
+        target: as :func:`mamba_captum.explain.explain`.
+        labels: as :func:`mamba_captum.explain.explain`.
+        formulation: as :func:`mamba_captum.explain.explain`.
     """
 
     def __init__(self, texts=None, *, tokenizer=None, every: int = 1, method=("attribution",), top_k: int = 3,

@@ -25,7 +25,11 @@ def to_visualization_record(relevance, tokens, *, attention_mask=None, pred_prob
             attributions are reduced to one score per token (their first feature; the methods repeat it).
         tokens: L token strings, or B lists of them.
         attention_mask: (B, L) or (L,); padding tokens are left out of the record.
-        pred_prob, pred_class, true_class, attr_class: shown in the table (scalars, or one per example).
+        pred_prob: the predicted probability, shown in the table (a scalar, or one per example); likewise
+        pred_class: the predicted class,
+        true_class: the true class,
+        attr_class: the explained class.
+        convergence_score: Captum's convergence column.
     Returns:
         one record for (L,) input, a list of B records for (B, L). Word scores are scaled to [-1, 1] by the
         largest |score| of the example; ``attr_score`` is the unscaled sum.
@@ -118,9 +122,13 @@ def as_hf_attentions(model, input_ids, attention_mask=None, *, formulation="unif
     ``head_view`` / ``model_view``).
 
     Args:
-        model, input_ids, attention_mask, formulation, **forward_kwargs: as :func:`mamba_captum.implicit_attention`.
+        model: as :func:`mamba_captum.implicit_attention`.
+        input_ids: (B, L) token ids.
+        attention_mask: (B, L), 1 for real tokens.
+        formulation: ``"unified"`` or ``"hidden"``.
         reduce: the channel reduction (default ``"abs_mean"``: non-negative, like attention probabilities; softmax
             layers of hybrids give their head-mean probabilities either way).
+        **forward_kwargs: passed to ``model(...)``.
     Returns:
         a tuple with one (B, 1, L, L) tensor per decoder layer, in layer order (one "head": the channel-reduced
         map). Zamba2's shared attention block, which has no decoder-layer index of its own, is left out.
