@@ -107,6 +107,16 @@ def test_explain_ids_cuts_padding_and_matches_texts(demo):
             assert torch.allclose(torch.tensor(a.relevance[name]), torch.tensor(b.relevance[name]), atol=1e-6)
 
 
+def test_dtypes_give_the_same_explanation(demo):
+    model, tokenizer = demo
+    (single,) = explain(model, tokenizer, "the service was truly awful .", layer_maps=False)
+    double_model, _ = load(DEMO, dtype="float64")
+    (double,) = explain(double_model, tokenizer, "the service was truly awful .", layer_maps=False)
+    assert next(double_model.parameters()).dtype == torch.float64
+    for name in single.relevance:
+        assert torch.allclose(torch.tensor(double.relevance[name]), torch.tensor(single.relevance[name]), atol=1e-4)
+
+
 def test_explain_leaves_the_model_as_it_was(demo):
     model, tokenizer = demo
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -207,6 +217,7 @@ def gpt2_dir(tmp_path_factory):
      "not one token of the vocabulary"),
     (["explain", "--model", DEMO, "--dataset", "/no/file.jsonl"], "does not exist"),
     (["matrices", "--model", DEMO, "--text", "x", "--dtype", "float8"], "invalid choice"),
+    (["explain", "--model", DEMO, "--text", "x", "--device", "warp9"], "device 'warp9' is not available"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args, message, gpt2_dir):
     args = [str(gpt2_dir) if a == "{gpt2}" else a for a in args]
