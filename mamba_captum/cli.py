@@ -171,7 +171,10 @@ def main(argv=None) -> int:
         evaluate(argv[1:])
         return 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as leaving:  # --help (0) and argparse's errors (2): a code, as for the other paths
+        return int(leaving.code or 0)
     if args.command is None:
         parser.print_help()
         return 2

@@ -77,6 +77,11 @@ def record_conv_inputs_and_out_proj_inputs(model):
     return records, handles
 
 
+# The reference here is the float32 model's own out_proj input, whose rounding reaches ~1e-5 relative (Mamba-2:
+# 1.13e-5 on one CPU, under 1e-5 on another); the library's own checks below and in test_engine stay at TOL.
+OUT_PROJ_TOL = 3e-5
+
+
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_unified_identity_out_proj_input_equals_H_x(family):
     model = zero_bias_and_skip(liven(make_model(family)))
@@ -94,7 +99,7 @@ def test_unified_identity_out_proj_input_equals_H_x(family):
         x = records[mixer]["x"].transpose(1, 2).to(H.dtype)  # (B, C, L)
         expected = records[mixer]["out_in"].transpose(1, 2)
         got = torch.einsum("bcis,bcs->bci", H.double(), x.double())
-        assert relative_error(got, expected) <= TOL, (family, key)
+        assert relative_error(got, expected) <= OUT_PROJ_TOL, (family, key)
         assert expected.abs().max() > 1e-3  # the identity is not vacuous
 
 
