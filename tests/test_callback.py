@@ -111,3 +111,30 @@ def test_bad_options_are_refused():
         AttributionCallback(["x"], every=0)
     with pytest.raises(ValueError, match="unknown method"):
         AttributionCallback(["x"], method="saliency")
+
+
+def test_wandb_gets_scalars_images_and_heatmaps_when_asked(tmp_path, monkeypatch):
+    """W&B is not installed here: a stand-in module records what the callback hands to ``wandb.log``."""
+    import sys
+    import types
+
+    logged = []
+    fake = types.ModuleType("wandb")
+    fake.run = object()
+    fake.Image = lambda array: ("image", array.shape)
+    fake.Html = lambda page: ("html", page)
+    fake.log = lambda values, step: logged.append((step, values))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    trainer = make_trainer(tmp_path)
+    trainer.args.report_to = ["wandb"]  # after __post_init__: no WandbCallback is built
+    callback = AttributionCallback(PROBES[:1], method=("attribution", "raw"))
+    callback.on_evaluate(trainer.args, trainer.state, trainer.control, model=trainer.model,
+                         processing_class=trainer.processing_class, metrics={})
+    ((step, values),) = logged
+    assert step == 0
+    assert set(values) == {"mamba_captum/attribution_top3_mass", "mamba_captum/raw_top3_mass",
+                           "mamba_captum/target_probability", "mamba_captum/probe0/layer1_map",
+                           "mamba_captum/heatmaps"}
+    tokens = trainer.processing_class(PROBES[0])["input_ids"]
+    assert values["mamba_captum/probe0/layer1_map"] == ("image", (8 * len(tokens), 8 * len(tokens), 3))
+    assert values["mamba_captum/heatmaps"][0] == "html" and "[SENTIMENT]" in values["mamba_captum/heatmaps"][1]
