@@ -260,3 +260,31 @@ def test_help_lists_the_commands(capsys):
     assert cli.main([]) == 2
     out = capsys.readouterr().out
     assert all(name in out for name in cli.COMMANDS)
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tmp_path_factory):
+    """A tiny JambaForSequenceClassification checkpoint (3 labels) with the demo tokenizer."""
+    from tiny_models import make_model
+
+    path = tmp_path_factory.mktemp("classifier")
+    config = make_model("jamba").config.to_dict()
+    config.update(vocab_size=80, num_labels=3, id2label={0: "sport", 1: "tech", 2: "arts"},
+                  label2id={"sport": 0, "tech": 1, "arts": 2})
+    torch.manual_seed(0)
+    tf.JambaForSequenceClassification(tf.JambaConfig(**config)).save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_explain_a_sequence_classifier_checkpoint(classifier_dir, tmp_path):
+    code, out, err = run_cli("explain", "--model", str(classifier_dir), "--text", "the plot was good",
+                             "--target", "tech", "--jsonl", str(tmp_path / "r.jsonl"))
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert row["target"] == "tech" and row["prediction"] in ("sport", "tech", "arts")
+    assert row["settings"]["model_class"] == "JambaForSequenceClassification"
+    assert sum(1 for _ in row["relevance"]) == 3
+    code, out, err = run_cli("explain", "--model", str(classifier_dir), "--text", "the plot", "--target", "music")
+    assert code == 2 and "target 'music' is not a label of this model; its labels are ['sport', 'tech', 'arts']" \
+        in err and "Traceback" not in err
