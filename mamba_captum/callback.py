@@ -1,6 +1,7 @@
 """``AttributionCallback``: explain fixed probe examples while a HF ``Trainer`` trains, and log what it finds."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -28,8 +29,9 @@ class AttributionCallback(TrainerCallback):
     - scalars to the evaluation metrics (``trainer.evaluate()``'s result and ``state.log_history``) and to
       TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over probes of the share of |relevance| on the top-k
       tokens) and ``mamba_captum/target_probability``;
-    - figures: each probe's last-layer implicit-attention map as an image and its token heatmaps as text, to the
-      Trainer's TensorBoard writer (``TensorBoardCallback.tb_writer``) and to W&B when ``report_to`` includes them;
+    - figures: each probe's last-layer implicit-attention map as an image and its top tokens as text, to the
+      Trainer's TensorBoard writer (``TensorBoardCallback.tb_writer``; its own writer under
+      ``output_dir/runs/mamba_captum`` if the Trainer has none) and to W&B when ``report_to`` includes them;
     - always, a fallback under ``output_dir/mamba_captum/step-<N>/``: ``report.html`` and ``explanations.jsonl``.
 
     The model's train / eval mode is restored afterwards; the methods use ``torch.autograd.grad`` and leave no
@@ -63,9 +65,9 @@ class AttributionCallback(TrainerCallback):
         self.trainer = None
 
     def attach(self, trainer):
-        """Add this callback to ``trainer`` and remember it, so figures go to its TensorBoard writer (a callback
-        passed through ``Trainer(callbacks=[...])`` cannot see the other callbacks: it writes its own event file
-        under ``logging_dir`` instead). Returns ``self``."""
+        """Add this callback to ``trainer`` and remember it (optional: passed through ``Trainer(callbacks=[...])``
+        or ``add_callback`` it finds the Trainer's other callbacks itself, through the list that holds it).
+        Returns ``self``."""
         trainer.add_callback(self)
         self.trainer = trainer
         return self
@@ -94,11 +96,20 @@ class AttributionCallback(TrainerCallback):
         scalars[f"{PREFIX}/target_probability"] = sum(e.target_probability for e in explanations) / len(explanations)
         return scalars
 
-    def _tensorboard_writer(self, args):
+    def _sibling_callbacks(self) -> list:
+        """The callbacks this one runs beside: the attached Trainer's, or else found through the list that holds
+        this callback (HF hands callbacks no reference to the Trainer or its CallbackHandler)."""
         if self.trainer is not None:
-            for callback in self.trainer.callback_handler.callbacks:
-                if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
-                    return callback.tb_writer, False
+            return list(self.trainer.callback_handler.callbacks)
+        for holder in gc.get_referrers(self):
+            if isinstance(holder, list) and any(isinstance(c, TrainerCallback) and c is not self for c in holder):
+                return list(holder)
+        return []
+
+    def _tensorboard_writer(self, args):
+        for callback in self._sibling_callbacks():
+            if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                return callback.tb_writer, False
         if "tensorboard" not in (args.report_to or []):
             return None, False
         from torch.utils.tensorboard import SummaryWriter

@@ -30,7 +30,7 @@ class Sentences(torch.utils.data.Dataset):
         return {key: value[index] for key, value in self.batch.items()}
 
 
-def make_trainer(tmp_path, **training):
+def make_trainer(tmp_path, callbacks=None, **training):
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     model = tf.MambaForCausalLM(demo_config(len(tokenizer)))
@@ -39,7 +39,7 @@ def make_trainer(tmp_path, **training):
                                 report_to=["tensorboard"], save_strategy="no", use_cpu=True, seed=0,
                                 disable_tqdm=True, **training)
     return tf.Trainer(model=model, args=args, train_dataset=Sentences(tokenizer, 32, 0),
-                      eval_dataset=Sentences(tokenizer, 8, 1), processing_class=tokenizer)
+                      eval_dataset=Sentences(tokenizer, 8, 1), processing_class=tokenizer, callbacks=callbacks)
 
 
 def events(folder):
@@ -95,15 +95,25 @@ def test_callback_logs_to_the_trainers_tensorboard_and_metrics(tmp_path):
 
 def test_callback_from_the_eval_dataloader_every_second_evaluation(tmp_path):
     callback = AttributionCallback(every=2, probes=2, method="raw")
-    trainer = make_trainer(tmp_path)
-    trainer.add_callback(callback)  # not attached: its own event file under output_dir/runs/mamba_captum
+    trainer = make_trainer(tmp_path, callbacks=[callback])  # not attached: it finds the Trainer's writer itself
     trainer.train()
-    found = events(tmp_path / "runs" / "mamba_captum")
+    found = events(tmp_path)
+    assert not (tmp_path / "runs" / "mamba_captum").exists()  # no event file of its own
+    assert "train/loss" in found["scalars"]
     assert [step for step, _ in found["scalars"]["mamba_captum/raw_top3_mass"]] == [2]  # evaluations 1 (not 2)
     rows = [json.loads(line) for line in (tmp_path / "mamba_captum" / "step-2" / "explanations.jsonl").open()]
     assert len(rows) == 2 and all(row["tokens"][-1] == "[SENTIMENT]" and "[PAD]" not in row["tokens"]
                                   for row in rows)
     assert not (tmp_path / "mamba_captum" / "step-4").exists()
+
+
+def test_without_a_trainer_writer_it_writes_its_own(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.pop_callback(tf.integrations.TensorBoardCallback)  # report_to still says tensorboard
+    trainer.add_callback(AttributionCallback(PROBES[:1]))
+    trainer.train()
+    found = events(tmp_path / "runs" / "mamba_captum")
+    assert [step for step, _ in found["scalars"]["mamba_captum/attribution_top3_mass"]] == [2, 4]
 
 
 def test_bad_options_are_refused():
