@@ -26,8 +26,9 @@ def top_k_mass(relevance, k: int) -> float:
 class AttributionCallback(TrainerCallback):
     """Explains probe examples on every ``every``-th evaluation (rank 0 only) and logs:
 
-    - scalars to the evaluation metrics (``trainer.evaluate()``'s result and ``state.log_history``) and to
-      TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over probes of the share of |relevance| on the top-k
+    - scalars to the evaluation metrics (``trainer.evaluate()``'s result and an entry of its own in
+      ``state.log_history``: the Trainer logs its evaluation before callbacks run, so integrations other than
+      TensorBoard and W&B do not see them) and to TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over probes of the share of |relevance| on the top-k
       tokens) and ``mamba_captum/target_probability``;
     - figures: each probe's last-layer implicit-attention map as an image and its top tokens as text, to the
       Trainer's TensorBoard writer (``TensorBoardCallback.tb_writer``; its own writer under
@@ -41,7 +42,7 @@ class AttributionCallback(TrainerCallback):
         texts: probe texts (needs ``tokenizer`` or the Trainer's ``processing_class``); or None to take the first
             ``probes`` examples of ``eval_dataloader`` (their ``input_ids`` / ``attention_mask``).
         tokenizer: the tokenizer (default: the Trainer's ``processing_class``).
-        every: explain on every ``every``-th evaluation (1 = each).
+        every: explain on the first evaluation and every ``every``-th after it (1 = each; 2 = the 1st, 3rd, ...).
         method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``); the first is imaged.
         top_k: k of the top-k relevance mass.
         probes: how many eval examples to take when ``texts`` is None.
@@ -96,20 +97,22 @@ class AttributionCallback(TrainerCallback):
         scalars[f"{PREFIX}/target_probability"] = sum(e.target_probability for e in explanations) / len(explanations)
         return scalars
 
-    def _sibling_callbacks(self) -> list:
-        """The callbacks this one runs beside: the attached Trainer's, or else found through the list that holds
-        this callback (HF hands callbacks no reference to the Trainer or its CallbackHandler)."""
-        if self.trainer is not None:
-            return list(self.trainer.callback_handler.callbacks)
-        for holder in gc.get_referrers(self):
-            if isinstance(holder, list) and any(isinstance(c, TrainerCallback) and c is not self for c in holder):
-                return list(holder)
-        return []
+    def _trainer_tensorboard(self):
+        """The Trainer's TensorBoardCallback: through the attached Trainer, or else through the CallbackHandler's
+        list that holds this callback (HF hands callbacks no reference to the Trainer or its handler; a user's own
+        list holding this callback has no TensorBoardCallback in it and is passed over)."""
+        holders = [self.trainer.callback_handler.callbacks] if self.trainer is not None else [
+            holder for holder in gc.get_referrers(self) if isinstance(holder, list)]
+        for holder in holders:
+            for callback in holder:
+                if isinstance(callback, TensorBoardCallback):
+                    return callback
+        return None
 
     def _tensorboard_writer(self, args):
-        for callback in self._sibling_callbacks():
-            if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
-                return callback.tb_writer, False
+        callback = self._trainer_tensorboard()
+        if callback is not None and callback.tb_writer is not None:
+            return callback.tb_writer, False
         if "tensorboard" not in (args.report_to or []):
             return None, False
         from torch.utils.tensorboard import SummaryWriter
@@ -121,8 +124,9 @@ class AttributionCallback(TrainerCallback):
         writer, own = self._tensorboard_writer(args)
         images = {}
         for number, item in enumerate(explanations):
-            if item.layer_maps:
-                last = max(item.layer_maps)
+            layers = [k for k in item.layer_maps or () if isinstance(k, int)]  # Zamba2 adds "{i}.shared_attention"
+            if layers:
+                last = max(layers)
                 images[f"{PREFIX}/probe{number}/layer{last}_map"] = map_rgb(item.layer_maps[last], scale=8)
         if writer is not None:
             for name, value in scalars.items():
@@ -146,7 +150,9 @@ class AttributionCallback(TrainerCallback):
                 logged = {name: wandb.Image(rgb.numpy()) for name, rgb in images.items()}
                 logged[f"{PREFIX}/heatmaps"] = wandb.Html("<br>".join(
                     token_heatmap(e.tokens, e.relevance[self.methods[0]]) for e in explanations))
-                wandb.log({**scalars, **logged}, step=state.global_step)
+                # no step=: HF's WandbCallback lets W&B count steps and plots against train/global_step; an
+                # explicit step lower than W&B's own would be dropped
+                wandb.log({**scalars, **logged, "train/global_step": state.global_step})
 
     def _fallback(self, args, state, explanations):
         folder = Path(args.output_dir) / PREFIX / f"step-{state.global_step}"
@@ -157,7 +163,21 @@ class AttributionCallback(TrainerCallback):
             for item in explanations:
                 handle.write(json.dumps(item.to_dict()) + "\n")
 
-    # -- the event -----------------------------------------------------------------------------------------------------
+    # -- the events ----------------------------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        """Check the probes, the target and the labels now, not at the first evaluation hours into the run."""
+        if self.texts is None or not state.is_world_process_zero:
+            return
+        from .explain import encode_text, label_words, resolve_target
+
+        tokenizer = self.tokenizer if self.tokenizer is not None else processing_class
+        if tokenizer is None:
+            raise ValueError("mamba_captum: AttributionCallback(texts=...) needs tokenizer= (or a Trainer with "
+                             "processing_class=).")
+        resolve_target(model, tokenizer, self.target, label_words(model, self.labels))
+        for text in self.texts:
+            encode_text(model, tokenizer, text)
+
     def on_evaluate(self, args, state, control, model=None, processing_class=None, eval_dataloader=None,
                     metrics=None, **kwargs):
         self.evaluations += 1

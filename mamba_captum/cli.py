@@ -79,19 +79,47 @@ def _print_summary(explanations, file=sys.stdout):
             print(f"  {name:>11}: {tops}", file=file)
 
 
+def _writable_file(path: Path) -> Path:
+    """Check an output file can be written before any model work (the parent is created)."""
+    try:
+        if path.is_dir():
+            raise UsageError(f"{str(path)!r} is a directory; give a file name.")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise UsageError(f"cannot write {str(path)!r}: {error.strerror or error}.") from None
+    return path
+
+
+def _writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mamba-captum-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write into {str(path)!r}: {error.strerror or error}.") from None
+    return path
+
+
 def _write_report(explanations, out: Path, title: str):
     from .html_report import render_html
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_html(explanations, title=title), encoding="utf-8")
     print(f"report: {out}")
 
 
-def _read_dataset(path: Path) -> list[dict]:
+def _read_dataset(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) for each non-empty line; every row checked before any model work."""
     if not path.is_file():
         raise UsageError(f"dataset {str(path)!r} does not exist.")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise UsageError(f"dataset {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -101,7 +129,7 @@ def _read_dataset(path: Path) -> list[dict]:
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise UsageError(f'{path}:{number} has no "text" string; each line must be {{"text": ..., '
                              '"target": ... (optional)}.')
-        rows.append(row)
+        rows.append((number, row))
     if not rows:
         raise UsageError(f"dataset {str(path)!r} holds no lines.")
     return rows
@@ -111,6 +139,7 @@ def _demo(args):
     from .demo import DEMO_TEXTS, model_dir
     from .explain import explain, load
 
+    _writable_file(args.out)
     model, tokenizer = load(model_dir(), device=args.device, dtype=args.dtype)
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
     for item in explanations:
@@ -120,29 +149,48 @@ def _demo(args):
 
 
 def _explain(args):
-    from .explain import explain, load
+    from .explain import encode_text, explain, label_words, load, resolve_target
 
+    jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
+    for path in (jsonl, args.out):
+        if path is not None:
+            _writable_file(path)
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     methods = args.method or list(METHODS)
-    if args.text:
-        explanations = explain(model, tokenizer, args.text, target=args.target, methods=methods,
-                               formulation=args.formulation, labels=args.labels, layer_maps=args.out is not None)
-        _print_summary(explanations)
-    else:
-        from tqdm.auto import tqdm
+    options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
+                   layer_maps=args.out is not None)
+    handle = jsonl.open("w", encoding="utf-8") if jsonl is not None else None
+    explanations = []
+    try:
+        if args.text:
+            explanations = explain(model, tokenizer, args.text, target=args.target, **options)
+            _print_summary(explanations)
+            if handle is not None:
+                for item in explanations:
+                    handle.write(json.dumps(item.to_dict()) + "\n")
+        else:
+            from tqdm.auto import tqdm
 
-        rows = _read_dataset(args.dataset)
-        explanations = []
-        for row in tqdm(rows, desc="explaining", unit="text"):
-            explanations += explain(model, tokenizer, row["text"], target=row.get("target", args.target),
-                                    methods=methods, formulation=args.formulation, labels=args.labels,
-                                    layer_maps=args.out is not None)
-    jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
+            rows = _read_dataset(args.dataset)
+            words = label_words(model, args.labels)
+            for number, row in rows:  # every row's target and length, before hours of work
+                target = row["target"] if row.get("target") is not None else args.target
+                try:
+                    resolve_target(model, tokenizer, target, words)
+                    encode_text(model, tokenizer, row["text"])
+                except UsageError as error:
+                    raise UsageError(f"{args.dataset}:{number}: {error}") from None
+            for number, row in tqdm(rows, desc="explaining", unit="text"):
+                target = row["target"] if row.get("target") is not None else args.target
+                (item,) = explain(model, tokenizer, row["text"], target=target, **options)
+                explanations.append(item)
+                if handle is not None:  # written as it goes: an interrupted run keeps what it did
+                    handle.write(json.dumps(item.to_dict()) + "\n")
+                    handle.flush()
+    finally:
+        if handle is not None:
+            handle.close()
     if jsonl is not None:
-        jsonl.parent.mkdir(parents=True, exist_ok=True)
-        with jsonl.open("w", encoding="utf-8") as handle:
-            for item in explanations:
-                handle.write(json.dumps(item.to_dict()) + "\n")
         print(f"results: {jsonl} ({len(explanations)} lines)")
     if args.out is not None:
         _write_report(explanations, args.out, f"mamba-captum: {Path(args.model).name}")
@@ -154,11 +202,13 @@ def _matrices(args):
 
     if args.scale < 1:
         raise UsageError(f"--scale must be at least 1, not {args.scale}.")
+    _writable_dir(args.out_dir)
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
     (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     for layer, matrix in item.layer_maps.items():
-        (args.out_dir / f"layer_{layer:02d}.png").write_bytes(map_png(matrix, args.scale))
+        # Zamba2's shared attention block has the key "{i}.shared_attention"
+        name = f"layer_{layer:02d}" if isinstance(layer, int) else f"layer_{str(layer).replace('.', '_')}"
+        (args.out_dir / f"{name}.png").write_bytes(map_png(matrix, args.scale))
     (args.out_dir / "tokens.json").write_text(json.dumps(item.tokens) + "\n")
     print(f"{len(item.layer_maps)} layer maps ({len(item.tokens)} tokens, {args.formulation}) in {args.out_dir}")
 
@@ -185,6 +235,9 @@ def main(argv=None) -> int:
     try:
         {"demo": _demo, "explain": _explain, "matrices": _matrices}[args.command](args)
     except UsageError as error:
+        print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a file that vanished or filled the disk mid-run: still one line
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
         return 2
     return 0

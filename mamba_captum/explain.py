@@ -75,6 +75,10 @@ def check_supported(model) -> None:
                          f"(supported: Mamba, Mamba-2, RWKV, RecurrentGemma and the hybrids; see the README).")
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
 def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
     """A local HF checkpoint directory -> (model in eval mode, tokenizer), offline. Errors are :class:`UsageError`."""
     import transformers as tf
@@ -86,23 +90,28 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
         raise UsageError(f"{str(path)!r} holds no config.json: it is not a HF checkpoint directory.")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
-    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:  # malformed JSON, an unknown model_type
+        raise UsageError(f"the config.json in {str(path)!r} cannot be read: {_first_line(error)}") from None
     try:
         auto = tf.AutoModelForSequenceClassification if any(
             a.endswith("ForSequenceClassification") for a in (config.architectures or [])) else tf.AutoModelForCausalLM
         model = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
     except ValueError as error:  # transformers' "Unrecognized configuration class ..."
         raise UsageError(f"model type {config.model_type!r} cannot be loaded as a causal LM or sequence "
-                         f"classifier: {str(error).splitlines()[0]}") from None
+                         f"classifier: {_first_line(error)}") from None
+    except OSError as error:  # no weights file
+        raise UsageError(f"the weights in {str(path)!r} cannot be loaded: {_first_line(error)}") from None
     check_supported(model)
     try:
         tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
-        raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {str(error).splitlines()[0]}") from None
+        raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {_first_line(error)}") from None
     try:
         model = model.to(device)
     except (RuntimeError, AssertionError) as error:
-        raise UsageError(f"device {device!r} is not available: {str(error).splitlines()[0]}") from None
+        raise UsageError(f"device {device!r} is not available: {_first_line(error)}") from None
     return model.eval(), tokenizer
 
 
@@ -110,6 +119,9 @@ def label_words(model, labels=None) -> list[str] | None:
     """The candidate answers: ``labels`` if given, else a causal LM's ``config.label_words`` (the bundled demo model
     sets it), else a classifier's ``id2label``; None means the whole vocabulary."""
     if labels:
+        if is_classifier(model) and len(labels) != model.config.num_labels:
+            raise UsageError(f"{len(labels)} labels given for a classifier with {model.config.num_labels} classes; "
+                             "give one name per class, in class order (or none: its id2label is used).")
         return list(labels)
     if is_classifier(model):
         return [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -130,9 +142,9 @@ def _candidates(model, tokenizer, words):
         return list(range(model.config.num_labels))
     if tokenizer is None:
         raise UsageError(f"the label words {words} need the model's tokenizer; pass tokenizer=.")
-    ids = []
-    for word in words:
-        ids.append(_token_id(tokenizer, word, model.config.vocab_size))
+    ids = [_token_id(tokenizer, word, model.config.vocab_size) for word in words]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"the label words {words} map to repeated token ids {ids}; give distinct tokens.")
     return ids
 
 
@@ -149,29 +161,51 @@ def _token_id(tokenizer, word: str, vocab_size: int) -> int:
     return int(token)
 
 
-def resolve_target(model, tokenizer, target, words) -> int | None:
-    """The output index to explain: None (the prediction), a label / token string, or an int id / class index."""
+def resolve_target(model, tokenizer, target, words, candidates=None) -> int | None:
+    """The output index to explain: None (the prediction), a label word / token string, or an integer id / class
+    index (also as a digit string). A string that is exactly a label word is that label, even if it looks like a
+    number. With label words, the target must be one of them."""
     if target is None:
         return None
+    if isinstance(target, bool) or not isinstance(target, (str, int)):
+        raise UsageError(f"target {target!r} must be a label word / token or an integer id, not a "
+                         f"{type(target).__name__}.")
+    names = words or []
+    if candidates is None and words is not None:
+        candidates = _candidates(model, tokenizer, words)
+    if isinstance(target, str) and target in names:
+        return candidates[names.index(target)]
+    if isinstance(target, str) and not target.lstrip("-").isdigit():
+        if is_classifier(model):
+            raise UsageError(f"target {target!r} is not a label of this model; its labels are {names}.")
+        if words is not None:
+            raise UsageError(f"target {target!r} is not one of the model's label words {words}.")
+        return _token_id(tokenizer, target, model.config.vocab_size)
+    index = int(target)
     if is_classifier(model):
-        names = words or []
-        if isinstance(target, str) and not target.lstrip("-").isdigit():
-            if target not in names:
-                raise UsageError(f"target {target!r} is not a label of this model; its labels are {names}.")
-            return names.index(target)
-        index = int(target)
         if not 0 <= index < model.config.num_labels:
             raise UsageError(f"target class {index} is outside the model's {model.config.num_labels} labels "
                              f"({names}).")
         return index
-    if isinstance(target, str) and not target.lstrip("-").isdigit():
-        if words is not None and target not in words:
-            raise UsageError(f"target {target!r} is not one of the model's label words {words}.")
-        return _token_id(tokenizer, target, model.config.vocab_size)
-    index = int(target)
     if not 0 <= index < model.config.vocab_size:
         raise UsageError(f"target id {index} is outside the vocabulary (0..{model.config.vocab_size - 1}).")
+    if candidates is not None and index not in candidates:
+        raise UsageError(f"target id {index} is not one of the model's label words {words} (ids {candidates}).")
     return index
+
+
+def encode_text(model, tokenizer, text: str) -> torch.Tensor:
+    """``text`` -> (1, L) ids, refusing an empty result or more tokens than the model allows (:class:`UsageError`)."""
+    if not isinstance(text, str):
+        raise UsageError(f"a text must be a string, not a {type(text).__name__}.")
+    input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    limit = _max_length(model, tokenizer)
+    if limit is not None and input_ids.shape[1] > limit:
+        raise UsageError(f"the text has {input_ids.shape[1]} tokens; the model allows at most {limit}: "
+                         f"{text[:40]!r}...")
+    if input_ids.shape[1] == 0:
+        raise UsageError(f"the text {text[:40]!r} is empty after tokenization.")
+    return input_ids
 
 
 def _name(model, tokenizer, index, words, candidates) -> str:
@@ -200,17 +234,8 @@ def explain(model, tokenizer, texts, *, target=None, methods=tuple(METHODS), for
         one :class:`Explanation` per text.
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
-    limit = _max_length(model, tokenizer)
     device = next(model.parameters()).device
-    inputs = []
-    for text in texts:
-        input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
-        if limit is not None and input_ids.shape[1] > limit:
-            raise UsageError(f"the text has {input_ids.shape[1]} tokens; the model allows at most {limit}: "
-                             f"{text[:40]!r}...")
-        if input_ids.shape[1] == 0:
-            raise UsageError("the text is empty after tokenization.")
-        inputs.append(input_ids.to(device))
+    inputs = [encode_text(model, tokenizer, text).to(device) for text in texts]
     return explain_ids(model, tokenizer, inputs, texts=texts, target=target, methods=methods,
                        formulation=formulation, labels=labels, layer_maps=layer_maps)
 
@@ -224,6 +249,8 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
         ids, mask = inputs
         inputs = [row[mask_row.bool()][None] for row, mask_row in zip(ids, mask)]
     inputs = [ids if ids.dim() == 2 else ids[None] for ids in inputs]
+    if any(ids.shape[1] == 0 for ids in inputs):
+        raise UsageError("an input has no tokens (an empty id tensor or an all-zero attention_mask row).")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}; choose among {', '.join(METHODS)}.")
@@ -232,7 +259,7 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
     check_supported(model)
     words = label_words(model, labels)
     candidates = _candidates(model, tokenizer, words)
-    wanted = resolve_target(model, tokenizer, target, words)
+    wanted = resolve_target(model, tokenizer, target, words, candidates)
     device = next(model.parameters()).device
     results = []
     for number, input_ids in enumerate(inputs):

@@ -116,6 +116,36 @@ def test_without_a_trainer_writer_it_writes_its_own(tmp_path):
     assert [step for step, _ in found["scalars"]["mamba_captum/attribution_top3_mass"]] == [2, 4]
 
 
+def test_a_users_own_callback_list_is_not_mistaken_for_the_trainers(tmp_path):
+    callbacks = [AttributionCallback(PROBES[:1]), tf.TrainerCallback()]  # the user keeps this list
+    trainer = make_trainer(tmp_path, callbacks=callbacks)
+    trainer.train()
+    assert not (tmp_path / "runs" / "mamba_captum").exists()
+    assert [s for s, _ in events(tmp_path)["scalars"]["mamba_captum/attribution_top3_mass"]] == [2, 4]
+
+
+def test_bad_probes_stop_training_before_the_first_step(tmp_path):
+    from mamba_captum.explain import UsageError
+
+    for callback, message in ((AttributionCallback(PROBES, target="wonderful"), "not one of the model's label"),
+                              (AttributionCallback(["good " * 80]), "the model allows at most 64")):
+        trainer = make_trainer(tmp_path, callbacks=[callback])
+        trainer.model.config.label_words = ["negative", "positive"]
+        with pytest.raises(UsageError, match=message):
+            trainer.train()
+        assert trainer.state.global_step == 0
+
+
+def test_zamba2_shared_attention_keys_do_not_break_the_figures(tmp_path):
+    from mamba_captum.explain import Explanation
+
+    trainer = make_trainer(tmp_path)
+    maps = {0: torch.eye(3), "1.shared_attention": torch.eye(3), 1: torch.eye(3)}
+    item = Explanation("a b c", ["a", "b", "c"], "x", 1.0, "x", 1.0, {"attribution": [0.1, 0.2, 0.3]}, maps)
+    AttributionCallback(["a"])._figures(trainer.args, trainer.state, [item], {"mamba_captum/x": 0.5})
+    assert events(tmp_path / "runs" / "mamba_captum")["images"] == {"mamba_captum/probe0/layer1_map": [0]}
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="every must be at least 1"):
         AttributionCallback(["x"], every=0)
@@ -133,7 +163,7 @@ def test_wandb_gets_scalars_images_and_heatmaps_when_asked(tmp_path, monkeypatch
     fake.run = object()
     fake.Image = lambda array: ("image", array.shape)
     fake.Html = lambda page: ("html", page)
-    fake.log = lambda values, step: logged.append((step, values))
+    fake.log = lambda values, step=None: logged.append((step, values))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     trainer = make_trainer(tmp_path)
     trainer.args.report_to = ["wandb"]  # after __post_init__: no WandbCallback is built
@@ -141,10 +171,11 @@ def test_wandb_gets_scalars_images_and_heatmaps_when_asked(tmp_path, monkeypatch
     callback.on_evaluate(trainer.args, trainer.state, trainer.control, model=trainer.model,
                          processing_class=trainer.processing_class, metrics={})
     ((step, values),) = logged
-    assert step == 0
+    assert step is None  # W&B counts steps itself (HF's WandbCallback does the same); the Trainer's step is a value
+    assert values["train/global_step"] == trainer.state.global_step
     assert set(values) == {"mamba_captum/attribution_top3_mass", "mamba_captum/raw_top3_mass",
                            "mamba_captum/target_probability", "mamba_captum/probe0/layer1_map",
-                           "mamba_captum/heatmaps"}
+                           "mamba_captum/heatmaps", "train/global_step"}
     tokens = trainer.processing_class(PROBES[0])["input_ids"]
     assert values["mamba_captum/probe0/layer1_map"] == ("image", (8 * len(tokens), 8 * len(tokens), 3))
     assert values["mamba_captum/heatmaps"][0] == "html" and "[SENTIMENT]" in values["mamba_captum/heatmaps"][1]

@@ -152,7 +152,9 @@ def test_report_is_self_contained_and_escapes_tokens():
     assert "&lt;b&gt;" in page and "<b>" not in page.split("<body>")[1].replace("<b>x</b>", "")
     assert "<script" not in page and "http://" not in page and "https://" not in page
     assert page.count("data:image/png;base64,") == 1
-    assert captum_colour(-1.0) in page and captum_colour(0.5) in page  # -0.4 / 0.2 scaled by 0.4
+    # each token's mark: its colour (scores scaled by the largest |score|, 0.4) and its raw score on hover
+    for token, raw, unit in (("a", 0.1, 0.25), ("&lt;b&gt;", -0.4, -1.0), ("&amp;", 0.0, 0.0), ("c", 0.2, 0.5)):
+        assert f'style="background-color: {captum_colour(unit)}" title="{raw:.4g}">{token}</mark>' in page
 
 
 # -- the command ---------------------------------------------------------------------------------------------------
@@ -187,6 +189,35 @@ def test_explain_command_text_and_dataset(tmp_path):
     assert (tmp_path / "r.html").read_text().count("<section class='example'>") == 4
 
 
+def test_dataset_rows_are_checked_before_any_work_and_null_targets_fall_back(tmp_path):
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text('{"text": "the plot was good"}\n\n{"text": "the cast", "target": "wonderful"}\n')
+    code, out, err = run_cli("explain", "--model", DEMO, "--dataset", str(dataset))
+    assert code == 2 and f"{dataset}:3: target 'wonderful' is not one of the model's label words" in err
+    assert "explaining" not in err and not (tmp_path / "rows.explained.jsonl").read_text()
+    dataset.write_text('{"text": "the plot was good", "target": null}\n')
+    code, out, err = run_cli("explain", "--model", DEMO, "--dataset", str(dataset), "--target", "negative",
+                             "--method", "raw")
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (tmp_path / "rows.explained.jsonl").read_text().splitlines()]
+    assert row["target"] == "negative"
+
+
+def test_target_forms(demo):
+    from mamba_captum.explain import UsageError, resolve_target
+
+    model, tokenizer = demo
+    words = ["negative", "positive"]
+    negative = tokenizer.convert_tokens_to_ids("negative")
+    assert resolve_target(model, tokenizer, "negative", words) == negative
+    assert resolve_target(model, tokenizer, negative, words) == negative
+    assert resolve_target(model, tokenizer, str(negative), words) == negative
+    assert resolve_target(model, tokenizer, "film", None) == tokenizer.convert_tokens_to_ids("film")
+    for bad in (True, 1.5, [1]):
+        with pytest.raises(UsageError, match="must be a label word / token or an integer id"):
+            resolve_target(model, tokenizer, bad, words)
+
+
 def test_matrices_command_writes_one_png_per_layer(tmp_path):
     code, out, err = run_cli("matrices", "--model", DEMO, "--text", "the plot was good", "--out-dir",
                              str(tmp_path / "maps"), "--scale", "2")
@@ -218,9 +249,22 @@ def gpt2_dir(tmp_path_factory):
     (["explain", "--model", DEMO, "--dataset", "/no/file.jsonl"], "does not exist"),
     (["matrices", "--model", DEMO, "--text", "x", "--dtype", "float8"], "invalid choice"),
     (["explain", "--model", DEMO, "--text", "x", "--device", "warp9"], "device 'warp9' is not available"),
+    (["explain", "--model", DEMO, "--text", "the plot", "--target", "1"], "target id 1 is not one of the model's"),
+    (["explain", "--model", DEMO, "--text", "x", "--labels", "Negative", "negative"], "repeated token ids"),
+    (["demo", "--out", "/proc/no/report.html"], "cannot write '/proc/no/report.html'"),
+    (["explain", "--model", DEMO, "--text", "x", "--out", "/tmp"], "'/tmp' is a directory"),
+    (["matrices", "--model", DEMO, "--text", "x", "--out-dir", "/proc/no"], "cannot write into '/proc/no'"),
+    (["explain", "--model", "{weightless}", "--text", "x"], "the weights in"),
+    (["explain", "--model", "{badconfig}", "--text", "x"], "the config.json in"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args, message, gpt2_dir):
-    args = [str(gpt2_dir) if a == "{gpt2}" else a for a in args]
+def test_bad_input_is_one_line_and_exit_code_2(args, message, gpt2_dir, tmp_path):
+    weightless, badconfig = tmp_path / "weightless", tmp_path / "badconfig"
+    weightless.mkdir()
+    badconfig.mkdir()
+    (weightless / "config.json").write_text((model_dir() / "config.json").read_text())
+    (badconfig / "config.json").write_text('{"model_type": "no_such_model"')
+    places = {"{gpt2}": str(gpt2_dir), "{weightless}": str(weightless), "{badconfig}": str(badconfig)}
+    args = [places.get(a, a) for a in args]
     code, out, err = run_cli(*args)
     assert code == 2
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("usage:")
@@ -254,6 +298,13 @@ def test_sequence_classifier_targets_are_labels(tmp_path):
         mc.explain.explain_ids(model, None, [ids], target="d")
     with pytest.raises(UsageError, match="target class 5 is outside the model's 3 labels"):
         mc.explain.explain_ids(model, None, [ids], target=5)
+    # labels that look like numbers are labels first: "3" is the class named "3" (index 0), not class 3
+    (item,) = mc.explain.explain_ids(model, None, [ids], target="3", labels=["3", "1", "2"], methods=(),
+                                     layer_maps=False)
+    assert item.target == "3"
+    assert item.target_probability == pytest.approx(torch.softmax(model(ids).logits[0], -1)[0].item(), rel=1e-5)
+    with pytest.raises(UsageError, match="2 labels given for a classifier with 3 classes"):
+        mc.explain.explain_ids(model, None, [ids], labels=["a", "b"])
 
 
 def test_help_lists_the_commands(capsys):

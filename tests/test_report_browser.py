@@ -1,6 +1,7 @@
 """The HTML report rendered by a real browser: headless Chromium (Debian's ``chromium``; the README's test command
 installs it) loads the self-contained file offline, its DOM holds every token, and the screenshot shows Captum's
 green and red highlights."""
+import dataclasses
 import html
 import shutil
 import subprocess
@@ -47,14 +48,25 @@ def test_chromium_renders_every_token(report):
     assert dom.count("<img ") == sum(len(e.layer_maps) for e in explanations)
 
 
-def test_chromium_screenshot_shows_the_heatmap(report):
-    browser, folder, page, _ = report
-    shot = folder / "shot.png"
+def screenshot_colours(browser, folder, page):
+    shot = folder / f"{page.stem}.png"
     run_browser(browser, folder, f"--screenshot={shot}", "--window-size=1100,900", page.as_uri())
     pixels = torch.from_numpy(numpy.array(Image.open(shot).convert("RGB"))).int()
     assert pixels.shape == (900, 1100, 3)
     red, green, blue = pixels.unbind(-1)
-    greenish = ((green - red > 60) & (green - blue > 60)).sum().item()  # captum's positive highlights
-    reddish = ((red - green > 60) & (red - blue > 60)).sum().item()  # negative tokens / positive map entries
-    dark = (pixels.sum(-1) < 150).sum().item()  # rendered text
-    assert greenish > 500 and reddish > 100 and dark > 2000, (greenish, reddish, dark)
+    return {"green": ((green - red > 60) & (green - blue > 60)).sum().item(),  # captum's positive highlights
+            "red": ((red - green > 60) & (red - blue > 60)).sum().item(),
+            "dark": (pixels.sum(-1) < 150).sum().item()}  # rendered text
+
+
+def test_chromium_screenshot_shows_the_heatmap(report):
+    browser, folder, page, explanations = report
+    shown = screenshot_colours(browser, folder, page)
+    # the same page with every relevance 0: white tokens; the legend and the map thumbnails stay
+    blank = [dataclasses.replace(e, relevance={k: [0.0] * len(v) for k, v in e.relevance.items()})
+             for e in explanations]
+    plain = folder / "plain.html"
+    plain.write_text(render_html(blank), encoding="utf-8")
+    without = screenshot_colours(browser, folder, plain)
+    assert shown["dark"] > 2000 and without["dark"] > 2000
+    assert shown["green"] - without["green"] > 2000, (shown, without)  # the highlighted tokens
