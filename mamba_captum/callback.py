@@ -84,7 +84,13 @@ class AttributionCallback(TrainerCallback):
         if eval_dataloader is None:
             raise ValueError("mamba_captum: AttributionCallback without texts= takes its probes from the "
                              "eval_dataloader, and the Trainer has none; pass texts=.")
-        batch = next(iter(eval_dataloader))
+        dataset = getattr(eval_dataloader, "dataset", None)
+        if isinstance(dataset, torch.utils.data.Dataset) and hasattr(dataset, "__len__") and \
+                getattr(eval_dataloader, "collate_fn", None) is not None:
+            # by index, not by iterating the prepared loader: on rank 0 alone that could wait on other ranks
+            batch = eval_dataloader.collate_fn([dataset[i] for i in range(min(self.probes, len(dataset)))])
+        else:
+            batch = next(iter(eval_dataloader))
         ids = batch["input_ids"][:self.probes]
         mask = batch.get("attention_mask")
         mask = torch.ones_like(ids) if mask is None else mask[:self.probes]
