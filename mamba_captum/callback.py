@@ -155,7 +155,7 @@ class AttributionCallback(TrainerCallback):
             if wandb is not None and wandb.run is not None:
                 logged = {name: wandb.Image(rgb.numpy()) for name, rgb in images.items()}
                 logged[f"{PREFIX}/heatmaps"] = wandb.Html("<br>".join(
-                    token_heatmap(e.tokens, e.relevance[self.methods[0]]) for e in explanations))
+                    token_heatmap(e.shown(), e.relevance[self.methods[0]]) for e in explanations))
                 # no step=: HF's WandbCallback lets W&B count steps and plots against train/global_step; an
                 # explicit step lower than W&B's own would be dropped
                 wandb.log({**scalars, **logged, "train/global_step": state.global_step})

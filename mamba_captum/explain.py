@@ -35,6 +35,7 @@ class Explanation:
         relevance: method name -> L scores (raw and rollout are class-agnostic; attribution explains ``target``).
         layer_maps: layer index -> (L, L) channel-mean implicit attention (query row, key column), or None.
         settings: formulation and the model's name, for the report.
+        display_tokens: the L tokens as readable text (see :func:`readable_tokens`), or None.
     """
     text: str
     tokens: list[str]
@@ -45,19 +46,38 @@ class Explanation:
     relevance: dict[str, list[float]]
     layer_maps: dict[int, torch.Tensor] | None = None
     settings: dict = dataclasses.field(default_factory=dict)
+    display_tokens: list[str] | None = None  # the tokens as text (byte-level BPE's "Ġthe" -> "the"), for people
+
+    def shown(self) -> list[str]:
+        """The tokens to show people: ``display_tokens`` when known, else ``tokens``."""
+        return self.display_tokens or self.tokens
 
     def top_tokens(self, method: str, k: int = 3) -> list[tuple[str, float]]:
-        """The ``k`` tokens with the largest |relevance| under ``method``, largest first."""
+        """The ``k`` tokens (as shown to people, :meth:`shown`) with the largest |relevance| under ``method``,
+        largest first, with their scores."""
         scores = torch.tensor(self.relevance[method])
         order = scores.abs().argsort(descending=True, stable=True)[:k]
-        return [(self.tokens[i], float(scores[i])) for i in order.tolist()]
+        return [(self.shown()[i], float(scores[i])) for i in order.tolist()]
 
     def to_dict(self) -> dict:
         """JSON-safe: everything but the layer maps."""
-        return {"text": self.text, "tokens": self.tokens, "prediction": self.prediction,
+        return {"text": self.text, "tokens": self.tokens, "display_tokens": self.shown(), "prediction": self.prediction,
                 "probability": self.probability, "target": self.target,
                 "target_probability": self.target_probability, "relevance": self.relevance,
                 "top_tokens": {name: self.top_tokens(name) for name in self.relevance}, "settings": self.settings}
+
+
+def readable_tokens(tokenizer, tokens) -> list[str]:
+    """Each token as the text it stands for (byte-level BPE's ``Ġthe`` -> ``the``, SentencePiece's ``▁the`` ->
+    ``the``); a token that reads as blank (a space, a newline) keeps its vocabulary spelling."""
+    shown = []
+    for token in tokens:
+        try:
+            text = tokenizer.convert_tokens_to_string([token]).strip()
+        except (TypeError, ValueError, KeyError):
+            text = ""
+        shown.append(text or token)
+    return shown
 
 
 def is_classifier(model) -> bool:
@@ -294,6 +314,7 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
             probability=float(probabilities[predicted]),
             target=_name(model, tokenizer, explained, words, candidates),
             target_probability=float(probabilities[explained]), relevance=relevance, layer_maps=maps,
+            display_tokens=readable_tokens(tokenizer, tokens) if tokenizer is not None else None,
             settings={"model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
                       "model_class": type(model).__name__, "formulation": formulation,
                       "labels": words}))

@@ -108,7 +108,7 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
                      "<table class='methods'>")
         for name, scores in item.relevance.items():
             parts.append(f"<tr><td class='method'>{html.escape(METHOD_TITLES.get(name, name))}</td>"
-                         f"<td>{token_heatmap(item.tokens, scores)}</td></tr>")
+                         f"<td>{token_heatmap(item.shown(), scores)}</td></tr>")
         parts.append("</table>")
         if item.layer_maps:
             parts.append("<p class='note'>Per-layer implicit attention (channel mean; row = query, column = key; "

@@ -117,6 +117,23 @@ def test_dtypes_give_the_same_explanation(demo):
         assert torch.allclose(torch.tensor(double.relevance[name]), torch.tensor(single.relevance[name]), atol=1e-4)
 
 
+def test_byte_level_tokens_are_shown_as_text():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mamba_captum.explain import readable_tokens
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(["the plot was not good\nthe cast was great"] * 20,
+                                trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer("the plot was\ngood")["input_ids"])
+    assert tokens[:3] == ["the", "Ġplot", "Ġwas"] and "Ċ" in tokens
+    assert readable_tokens(tokenizer, tokens) == [t.replace("Ġ", "") for t in tokens]  # "Ċ" (a newline) stays
+    assert readable_tokens(build_tokenizer(), ["the", "[SENTIMENT]"]) == ["the", "[SENTIMENT]"]
+
+
 def test_explain_leaves_the_model_as_it_was(demo):
     model, tokenizer = demo
     state = {k: v.clone() for k, v in model.state_dict().items()}
