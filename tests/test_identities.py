@@ -4,7 +4,7 @@ import importlib
 import pytest
 import torch
 from conftest import relative_error
-from tiny_models import CONFIGS, MAMBA1, MAMBA2, VOCAB, make_model
+from tiny_models import CONFIGS, MAMBA1, VOCAB, make_model
 
 import mamba_captum as mc
 
