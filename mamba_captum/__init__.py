@@ -6,5 +6,6 @@ from .families import SUPPORTED_MIXERS
 from .viz import as_hf_attentions, to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "SUPPORTED_MIXERS", "MambaAttribution",
-           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans", "to_visualization_record", "as_hf_attentions"]
+           "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans", "to_visualization_record",
+           "as_hf_attentions"]
 __version__ = "0.1.0"

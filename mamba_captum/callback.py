@@ -28,8 +28,8 @@ class AttributionCallback(TrainerCallback):
 
     - scalars to the evaluation metrics (``trainer.evaluate()``'s result and an entry of its own in
       ``state.log_history``: the Trainer logs its evaluation before callbacks run, so integrations other than
-      TensorBoard and W&B do not see them) and to TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over probes of the share of |relevance| on the top-k
-      tokens) and ``mamba_captum/target_probability``;
+      TensorBoard and W&B do not see them) and to TensorBoard: ``mamba_captum/<method>_top<k>_mass`` (mean over
+      probes of the share of |relevance| on the top-k tokens) and ``mamba_captum/target_probability``;
     - figures: each probe's last-layer implicit-attention map as an image and its top tokens as text, to the
       Trainer's TensorBoard writer (``TensorBoardCallback.tb_writer``; its own writer under
       ``output_dir/runs/mamba_captum`` if the Trainer has none) and to W&B when ``report_to`` includes them;

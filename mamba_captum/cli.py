@@ -171,18 +171,18 @@ def _explain(args):
         else:
             from tqdm.auto import tqdm
 
-            rows = _read_dataset(args.dataset)
+            # a row's "target": null means --target
+            jobs = [(number, row["text"], row["target"] if row.get("target") is not None else args.target)
+                    for number, row in _read_dataset(args.dataset)]
             words = label_words(model, args.labels)
-            for number, row in rows:  # every row's target and length, before hours of work
-                target = row["target"] if row.get("target") is not None else args.target
+            for number, text, target in jobs:  # every row's target and length, before hours of work
                 try:
                     resolve_target(model, tokenizer, target, words)
-                    encode_text(model, tokenizer, row["text"])
+                    encode_text(model, tokenizer, text)
                 except UsageError as error:
                     raise UsageError(f"{args.dataset}:{number}: {error}") from None
-            for number, row in tqdm(rows, desc="explaining", unit="text"):
-                target = row["target"] if row.get("target") is not None else args.target
-                (item,) = explain(model, tokenizer, row["text"], target=target, **options)
+            for number, text, target in tqdm(jobs, desc="explaining", unit="text"):
+                (item,) = explain(model, tokenizer, text, target=target, **options)
                 explanations.append(item)
                 if handle is not None:  # written as it goes: an interrupted run keeps what it did
                     handle.write(json.dumps(item.to_dict()) + "\n")

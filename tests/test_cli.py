@@ -125,8 +125,8 @@ def test_byte_level_tokens_are_shown_as_text():
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(["the plot was not good\nthe cast was great"] * 20,
-                                trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(["the plot was not good\nthe cast was great"] * 20, trainer)
     tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend)
     tokens = tokenizer.convert_ids_to_tokens(tokenizer("the plot was\ngood")["input_ids"])
     assert tokens[:3] == ["the", "Ġplot", "Ġwas"] and "Ċ" in tokens

@@ -27,7 +27,8 @@ LABELS = ("negative", "positive")  # label k is the word LABELS[k]
 def words() -> list[str]:
     """Every word the grammar can produce (the demo tokenizer's vocabulary, before special tokens)."""
     seen = []
-    for group in (SUBJECTS, VERBS, INTENSIFIERS, NEGATORS, POSITIVE, NEGATIVE, OPENERS, CLOSERS, ENDINGS, ["but"], LABELS):
+    groups = (SUBJECTS, VERBS, INTENSIFIERS, NEGATORS, POSITIVE, NEGATIVE, OPENERS, CLOSERS, ENDINGS, ["but"], LABELS)
+    for group in groups:
         for phrase in group:
             for word in phrase.split():
                 if word not in seen:

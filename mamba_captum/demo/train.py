@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import transformers as tf
 
+from ..evaluation.models import one_thread
 from ..fast_scans import fast_scans
 from . import grammar
 
@@ -69,32 +70,27 @@ def train(steps: int = 1500, batch: int = 64, lr: float = 3e-3, seed: int = 0, m
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     labels = label_token_ids(tokenizer)
     validation = grammar.sentences(512, seed=10_000 + seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same weights on any machine; a 64-wide model gains nothing from more
     start = time.perf_counter()
-    try:
-        with fast_scans(model):
-            for step in range(1, steps + 1):
-                examples = grammar.sentences(batch, seed=seed * 1_000_003 + step)
-                model.train()
-                logits = model(**encode(tokenizer, examples), use_cache=False).logits[:, -1]
-                target = labels[torch.tensor([s.label for s in examples])]
-                loss = torch.nn.functional.cross_entropy(logits, target)
-                optimiser.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimiser.step()
-                if step % 50 == 0:
-                    model.eval()
-                    valid = accuracy(model, tokenizer, validation)
-                    log(f"step {step} loss {loss.item():.4f} validation {valid:.4f}")
-                    if valid == 1.0 and step >= min_steps:
-                        break
-            seconds = time.perf_counter() - start
-            model.eval()
-            held = accuracy(model, tokenizer, grammar.sentences(2000, seed=20_000 + seed))
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), fast_scans(model):  # one thread: the same weights on any machine
+        for step in range(1, steps + 1):
+            examples = grammar.sentences(batch, seed=seed * 1_000_003 + step)
+            model.train()
+            logits = model(**encode(tokenizer, examples), use_cache=False).logits[:, -1]
+            target = labels[torch.tensor([s.label for s in examples])]
+            loss = torch.nn.functional.cross_entropy(logits, target)
+            optimiser.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimiser.step()
+            if step % 50 == 0:
+                model.eval()
+                valid = accuracy(model, tokenizer, validation)
+                log(f"step {step} loss {loss.item():.4f} validation {valid:.4f}")
+                if valid == 1.0 and step >= min_steps:
+                    break
+        seconds = time.perf_counter() - start
+        model.eval()
+        held = accuracy(model, tokenizer, grammar.sentences(2000, seed=20_000 + seed))
     record = dict(task="sentiment grammar with negation and 'but' (mamba_captum.demo.grammar)", seed=seed,
                   steps=step, train_seconds=round(seconds, 1), held_out_accuracy=held, held_out_examples=2000,
                   parameters=sum(p.numel() for p in model.parameters()))
