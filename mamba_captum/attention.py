@@ -1,15 +1,15 @@
 """``implicit_attention``: the per-layer implicit-attention maps of a transformers model, one forward pass."""
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 
 from . import families
 from .capture import LayerCapture
+from .checks import NonFiniteError, check_finite, check_inputs, check_mask, index_list, nonfinite_parameters
 from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, SumOperator, operator_output_grad
+from .session import session
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype.
@@ -22,6 +22,50 @@ class ReconstructionError(RuntimeError):
     """The operator rebuilt for a layer does not reproduce that layer's real output."""
 
 
+class SharedAttentionKey(str):
+    """The map key of Zamba2's shared attention block run inside decoder layer ``i``: the string
+    ``"{i}.shared_attention"``, ordered just before the int key ``i`` (so ``sorted(maps)`` is execution order,
+    next to the int keys of the other layers). Equal to, and hashed as, the plain string."""
+
+    def __new__(cls, layer: int):
+        key = super().__new__(cls, f"{layer}.shared_attention")
+        key.layer = int(layer)
+        return key
+
+    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index
+        return (self.layer,)
+
+    @staticmethod
+    def _rank(key):
+        if isinstance(key, SharedAttentionKey):
+            return (key.layer, 0)
+        if isinstance(key, int) and not isinstance(key, bool):
+            return (key, 1)
+        return None
+
+    def _compare(self, other, op):
+        ranks = self._rank(self), self._rank(other)
+        if ranks[1] is None:
+            return getattr(str(self), op)(other)
+        return getattr(ranks[0], op)(ranks[1])
+
+    def __lt__(self, other):
+        return self._compare(other, "__lt__")
+
+    def __le__(self, other):
+        return self._compare(other, "__le__")
+
+    def __gt__(self, other):
+        return self._compare(other, "__gt__")
+
+    def __ge__(self, other):
+        return self._compare(other, "__ge__")
+
+    __hash__ = str.__hash__
+    __eq__ = str.__eq__
+    __ne__ = str.__ne__
+
+
 def _model_dtype(model) -> torch.dtype:
     for parameter in model.parameters():
         if parameter.is_floating_point():
@@ -29,7 +73,30 @@ def _model_dtype(model) -> torch.dtype:
     return torch.float32
 
 
-def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None):
+def _user_hooked(module) -> list[str]:
+    """Submodules of a token mixer that carry forward hooks (the library removes its own before rebuilding)."""
+    return [name or type(module).__name__ for name, sub in module.named_modules()
+            if sub._forward_hooks or sub._forward_pre_hooks]
+
+
+def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None, *,
+           module=None, layer_input=None):
+    """The relative error of the rebuilt layer output; raise if it is above the dtype's tolerance.
+
+    Raises:
+        NonFiniteError: the real output holds NaN or inf (naming the layer's non-finite weights, or its input).
+        ReconstructionError: the rebuilt output does not reproduce the real one.
+    """
+    if not bool(torch.isfinite(real).all()):
+        culprits = [] if module is None else nonfinite_parameters(module)
+        if culprits:
+            cause = f"non-finite weights: {', '.join(culprits)}; reload or repair them"
+        elif layer_input is not None and not bool(torch.isfinite(layer_input).all()):
+            cause = "its input already holds NaN or inf (an earlier layer, the embeddings or inputs_embeds)"
+        else:
+            cause = f"its weights and input are finite, so it overflowed in {dtype}: run the model in float32"
+        raise NonFiniteError(f"mamba_captum: the output of {name} holds NaN or inf ({cause}). Implicit attention "
+                             "of non-finite numbers is meaningless.")
     real, rebuilt = real.double(), rebuilt.double()
     diff = (real - rebuilt).abs()
     if rows_mask is not None:  # compare real tokens only: pad rows of softmax layers depend on the mask convention
@@ -38,34 +105,57 @@ def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dt
     error, scale = diff.max().item(), real.abs().max().item()
     relative = error / scale if scale > 0 else error
     if not relative <= TOLERANCE.get(dtype, 1e-3):
+        hooked = [] if module is None else _user_hooked(module)
+        hint = (f" Note: {', '.join(hooked)} of this layer carry forward hooks, which the rebuild (from the weights) "
+                "does not run; a hook that changes outputs makes the layer a different function." if hooked else "")
         raise ReconstructionError(
             f"mamba_captum: the operator rebuilt for {name} does not reproduce the layer's output "
             f"(max abs error {error:.3g}, relative {relative:.3g}, tolerance {TOLERANCE.get(dtype, 1e-3):g}). "
-            "This layer variant is not supported as loaded; please report the model class and config.")
+            "This layer variant is not supported as loaded; please report the model class and config." + hint)
     return relative
+
+
+def _layer_indices(layers, count: int):
+    if layers is None:
+        return None
+    indices = index_list(layers, "layers")
+    if any(not -count <= i < count for i in indices):
+        raise IndexError(f"mamba_captum: layers={indices} out of range for a model with {count} decoder layers.")
+    return sorted({i % count for i in indices})
 
 
 def _normalise_rows(rows, length: int, device):
     if rows is None:
         return None
-    rows = torch.as_tensor(rows, dtype=torch.long, device=device).reshape(-1)
-    if rows.numel() and (rows.min() < -length or rows.max() >= length):
-        raise IndexError(f"mamba_captum: rows= {rows.tolist()} out of range for a sequence of {length} tokens.")
-    return rows % length
+    indices = index_list(rows, "rows")
+    if any(not -length <= i < length for i in indices):
+        raise IndexError(f"mamba_captum: rows= {indices} out of range for a sequence of {length} tokens.")
+    return torch.tensor([i % length for i in indices], dtype=torch.long, device=device)
+
+
+def check_recorded(trace, mixers, layers):
+    """Every SSM mixer in the requested layers must have been recorded: a mixer that ran where the hooks cannot see
+    it (another thread, e.g. ``nn.DataParallel``'s replicas) would otherwise be silently missing from the result.
+
+    Raises:
+        RuntimeError: naming the layers whose mixer was not seen.
+    """
+    seen = {call.located.layer for call in trace.mixer_calls}
+    missing = sorted({m.layer for m in mixers if (layers is None or m.layer in layers) and m.layer not in seen})
+    if missing:
+        raise RuntimeError(
+            f"mamba_captum: the token mixers of decoder layers {missing} did not run in the forward pass as seen "
+            "from this thread. Explain the HF model itself (not a wrapper that runs it in other threads, such as "
+            "nn.DataParallel: pass model.module), with the whole sequence in one forward call.")
 
 
 def _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs):
-    """Validate the arguments and run the model once with the capture hooks."""
+    """Validate the arguments and run the model once with the capture hooks (inside :func:`session`)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
     kept = families.parse_components(components, formulation)
     decoder_layers, mixers = families.locate(model)
-    if layers is not None:
-        count = len(decoder_layers)
-        layers = [int(i) for i in (layers if isinstance(layers, Iterable) else [layers])]
-        if any(not -count <= i < count for i in layers):
-            raise IndexError(f"mamba_captum: layers={layers} out of range for a model with {count} decoder layers.")
-        layers = sorted({i % count for i in layers})
+    layers = _layer_indices(layers, len(decoder_layers))
     if input_ids is not None:
         forward_kwargs["input_ids"] = input_ids
     if attention_mask is not None:
@@ -74,7 +164,17 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     families.check_forward(mixers, attention_mask, forward_kwargs)
     with fast_scans(model), LayerCapture(decoder_layers, mixers, layers) as capture:
         output = model(**forward_kwargs)
+    check_recorded(capture.trace, mixers, layers)
     return capture.trace, output, decoder_layers, kept
+
+
+def _check_arguments(model, input_ids, attention_mask, forward_kwargs) -> tuple[int, int]:
+    """(B, L) of valid inputs; see :mod:`mamba_captum.checks`. An unsupported model is refused first."""
+    families.locate(model)
+    batch, length = check_inputs(model, input_ids, forward_kwargs.get("inputs_embeds"))
+    source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
+    check_mask(attention_mask, batch, length, source.device)
+    return batch, length
 
 
 def _operator_grads(operator, call):
@@ -114,14 +214,15 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             attention_error = 0.0  # dropout in training mode cannot be replayed: nothing to compare then
             if not (call.module.training and getattr(call.module, "attention_dropout", 0.0)):
                 attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                         token_mask)
+                                         token_mask, module=call.module, layer_input=call.value)
         for call in mixer_calls.get(index, ()):
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
             ssm_grads = _operator_grads(ssm, call)
             ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
-                               call.output, rebuilt, dtype)
+                               call.output, rebuilt, dtype, module=call.located.module,
+                               layer_input=call.hidden_states)
         layer = decoder_layers[index]
         if ssm is not None and attention is not None and hasattr(layer, "ssm_out_multiplier"):
             # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
@@ -131,7 +232,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
             continue
         if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
-            yield (f"{index}.shared_attention" if ssm is not None else index), attention.to(work_dtype), \
+            yield (SharedAttentionKey(index) if ssm is not None else index), attention.to(work_dtype), \
                 attention_error, attention_grads
         if ssm is not None:
             yield index, ssm.to(work_dtype), ssm_error, ssm_grads
@@ -151,8 +252,10 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
         output rebuilt from the operator.
     """
     operators, errors = {}, {}
-    # RWKV rescales weights inside its forward: rebuild with the weights the forward used, then restore them.
-    with families.preserved_state(model):
+    _check_arguments(model, input_ids, attention_mask, forward_kwargs)
+    # session: one call at a time on this model, a plain eager forward, and RWKV's in-place rescaling undone
+    # after the rebuild (which needs the weights the forward used).
+    with session(model, families.decoder_layers(model)):
         trace, output, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers,
                                                        components, forward_kwargs)
         with torch.no_grad():
@@ -184,23 +287,28 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         Mamba-2 "hidden": C = num_heads); (B, R, L) / (B, C, R, L) with ``rows``. Softmax layers of hybrids give
         their head-mean (head-wise with ``reduce=None``) probabilities; FalconH1 layers give the sum of their two
         parts scaled by the layer's output multipliers; Zamba2's shared attention block appears under the key
-        ``"{i}.shared_attention"`` just before layer ``i``. Float32, or float64 for float64 models. Rows and
+        ``"{i}.shared_attention"`` (a :class:`SharedAttentionKey`, which sorts just before ``i``) just before
+        layer ``i``. Float32, or float64 for float64 models. Rows and
         columns of padding tokens are zero.
 
     Raises:
-        TypeError: the model has a token mixer with no adapter (named in the message).
+        TypeError: the model has a token mixer with no adapter (named in the message); or a bad argument.
+        ValueError, IndexError: a bad argument (the message names it and the fix).
         ReconstructionError: a rebuilt operator does not reproduce its layer's real output.
+        NonFiniteError: a layer's real output holds NaN or inf (its non-finite weights are named).
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
-    source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds")
-    if source is None:
-        raise ValueError("mamba_captum: pass input_ids, or inputs_embeds= as a keyword argument.")
-    selected = _normalise_rows(rows, source.shape[1], source.device)
-    with torch.no_grad(), families.preserved_state(model):  # (RWKV: the rebuild needs the forward's weights)
+    _, length = _check_arguments(model, input_ids, attention_mask, forward_kwargs)
+    source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
+    selected = _normalise_rows(rows, length, source.device)
+    with torch.no_grad(), session(model, families.decoder_layers(model)):
         trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,
                                                   forward_kwargs)
         # Layer by layer: only one layer's operator is alive at a time.
-        maps = {key: operator.maps(reduce, selected)
-                for key, operator, _, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask)}
+        maps = {}
+        for key, operator, _, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
+            maps[key] = operator.maps(reduce, selected)
+            check_finite(maps[key], f"the implicit-attention map of layer {key} (its output was reproduced: "
+                         "please report this)")
     return maps

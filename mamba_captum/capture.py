@@ -6,10 +6,17 @@ module (it does not in the fused training kernels, which compute conv, scan, nor
 the adapters then rebuild the fused semantics). For a softmax attention layer: the query, key, value, mask and
 scaling handed to HF's attention interface, and the interface's output, whatever ``attn_implementation`` the model
 was loaded with. Everything else is recomputed from weights by the family adapters.
+
+Hooks record only the forward pass of the thread that opened the capture, and only while that capture is the
+innermost one open in the thread (a forward of the same model run by another thread, or the library called again
+from inside a user's hook, is not mixed into the trace). The attention-interface lookup is wrapped process-wide
+while any capture is open (:data:`ATTENTION_PATCH`, a :class:`mamba_captum.session.SharedPatch`); the wrapper
+records for the calling thread's innermost capture and is transparent for every other thread.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +25,51 @@ from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .families import LocatedMixer
+from .session import SharedPatch, thread_state
+
+
+def open_captures() -> list:
+    """This thread's open captures, innermost last."""
+    return thread_state("captures", list)
+
+
+def _recording_interface(interface):
+    """``interface`` plus recording into the calling thread's innermost open capture (if any)."""
+
+    def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
+        output = interface(module, query, key, value, attention_mask, *args, **kwargs)
+        captures = open_captures()
+        if captures:
+            captures[-1]._record_attention(module, query, key, value, attention_mask, args, kwargs, output)
+        return output
+
+    return recording_interface
+
+
+def _install_attention_recording():
+    # An instance attribute shadows AttentionInterface.get_interface; every attention module of transformers 5
+    # looks its implementation up through it at call time.
+    had_own = "get_interface" in vars(ALL_ATTENTION_FUNCTIONS)
+    previous = ALL_ATTENTION_FUNCTIONS.get_interface
+
+    def get_interface(attn_implementation, default):
+        return _recording_interface(previous(attn_implementation, default))
+
+    ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
+    return had_own, previous, get_interface
+
+
+def _uninstall_attention_recording(token):
+    had_own, previous, ours = token
+    if vars(ALL_ATTENTION_FUNCTIONS).get("get_interface") is not ours:
+        return  # someone replaced it after us: leave theirs
+    if had_own:
+        ALL_ATTENTION_FUNCTIONS.get_interface = previous
+    else:
+        del ALL_ATTENTION_FUNCTIONS.get_interface
+
+
+ATTENTION_PATCH = SharedPatch(_install_attention_recording, _uninstall_attention_recording)
 
 
 @dataclass
@@ -75,10 +127,11 @@ class LayerCapture(contextlib.AbstractContextManager):
         mixers: the SSM mixers to record (from :func:`mamba_captum.families.locate`).
         layers: decoder-layer indices to record, or None for all.
         record_attention: whether to record softmax attention calls.
-        detach: store detached tensors (maps need no graph); False keeps the graph for gradient methods.
-        record_residual: also record the residual stream entering each recorded decoder layer. With grad enabled,
-            a stream that carries no graph (frozen embeddings, or inputs without grad) is swapped for a leaf that
-            requires grad (same values), so that gradients with respect to it exist; the weights are not touched.
+        detach: store detached tensors (maps need no graph); False keeps the graph for gradient methods, and then
+            (with grad enabled) a decoder layer's input that carries no graph (a frozen model, frozen embeddings,
+            inputs without grad) is swapped for a leaf that requires grad, same values, so that gradients with
+            respect to every recorded tensor exist; the weights are not touched.
+        record_residual: also record the residual stream entering each recorded decoder layer.
     """
 
     def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
@@ -92,8 +145,9 @@ class LayerCapture(contextlib.AbstractContextManager):
         self.trace = Trace()
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._layer_stack: list[int] = []
-        self._had_instance_get_interface = False
-        self._previous_get_interface = None
+        self._thread = None
+        self._captures: list = []
+        self._attention_patched = False
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _keep(self, tensor):
@@ -104,33 +158,46 @@ class LayerCapture(contextlib.AbstractContextManager):
     def _current_layer(self) -> int | None:
         return self._layer_stack[-1] if self._layer_stack else None
 
+    def _mine(self) -> bool:
+        """Whether the call now running belongs to this capture: its thread, and no capture opened inside it."""
+        if threading.get_ident() != self._thread:
+            return False
+        captures = open_captures()
+        return bool(captures) and captures[-1] is self
+
     # -- hooks ----------------------------------------------------------------------------------------------
     def _layer_pre_hook(self, index):
         def hook(module, args, kwargs):
-            self._layer_stack.append(index)
-            if not self.record_residual or (self.layers is not None and index not in self.layers):
+            if not self._mine():
                 return None
+            self._layer_stack.append(index)
+            recorded = self.record_residual and (self.layers is None or index in self.layers)
             positional = bool(args)
             hidden = args[0] if positional else kwargs.get("hidden_states")
             if not torch.is_tensor(hidden):
-                raise RuntimeError(f"mamba_captum: decoder layer {index} received no hidden_states tensor.")
-            if torch.is_grad_enabled() and not hidden.requires_grad:
+                if recorded:
+                    raise RuntimeError(f"mamba_captum: decoder layer {index} received no hidden_states tensor.")
+                return None
+            if not self.detach and torch.is_grad_enabled() and not hidden.requires_grad:
                 hidden = hidden.detach().requires_grad_(True)
                 if positional:
                     args = (hidden, *args[1:])
                 else:
                     kwargs = {**kwargs, "hidden_states": hidden}
-            self.trace.residuals[index] = self._keep(hidden)
+            if recorded:
+                self.trace.residuals[index] = self._keep(hidden)
             return args, kwargs
 
         return hook
 
     def _layer_post_hook(self, module, args, output):
-        if self._layer_stack:
+        if self._mine() and self._layer_stack:
             self._layer_stack.pop()
 
     def _mixer_pre_hook(self, located):
         def hook(module, args, kwargs):
+            if not self._mine():
+                return
             hidden = args[0] if args else kwargs.get("hidden_states")
             mask = kwargs.get("attention_mask")
             if mask is None and len(args) > 2:
@@ -144,14 +211,15 @@ class LayerCapture(contextlib.AbstractContextManager):
 
     def _mixer_post_hook(self, located):
         def hook(module, args, kwargs, output):
-            call = self._last_call(located)
-            call.output = self._keep(output[0] if isinstance(output, tuple) else output)
+            if self._mine():
+                self._last_call(located).output = self._keep(output[0] if isinstance(output, tuple) else output)
 
         return hook
 
     def _out_proj_hook(self, located):
         def hook(module, args, output):
-            self._last_call(located).unfused = True
+            if self._mine():
+                self._last_call(located).unfused = True
 
         return hook
 
@@ -161,25 +229,23 @@ class LayerCapture(contextlib.AbstractContextManager):
                 return call
         raise RuntimeError(f"mamba_captum: no recorded call for {located.name}")  # hooks fire in order
 
-    def _wrap_attention(self, interface):
-        capture = self
-
-        def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
-            output = interface(module, query, key, value, attention_mask, *args, **kwargs)
-            layer = capture._current_layer()
-            if layer is not None and (capture.layers is None or layer in capture.layers):
-                scaling = kwargs.get("scaling", args[0] if args else None)
-                options = {k: kwargs[k] for k in ("sliding_window", "softcap", "is_causal") if k in kwargs}
-                attn_out = output[0] if isinstance(output, tuple) else output
-                capture.trace.attention_calls.append(AttentionCall(
-                    layer, module, capture._keep(query), capture._keep(key), capture._keep(value),
-                    capture._keep(attention_mask), scaling, options, capture._keep(attn_out)))
-            return output
-
-        return recording_interface
+    def _record_attention(self, module, query, key, value, attention_mask, args, kwargs, output):
+        """Called by the attention-interface wrapper for calls of this thread (see :func:`_recording_interface`)."""
+        layer = self._current_layer()
+        if not self.record_attention or layer is None or (self.layers is not None and layer not in self.layers):
+            return
+        scaling = kwargs.get("scaling", args[0] if args else None)
+        options = {k: kwargs[k] for k in ("sliding_window", "softcap", "is_causal") if k in kwargs}
+        attn_out = output[0] if isinstance(output, tuple) else output
+        self.trace.attention_calls.append(AttentionCall(
+            layer, module, self._keep(query), self._keep(key), self._keep(value), self._keep(attention_mask),
+            scaling, options, self._keep(attn_out)))
 
     # -- context manager ------------------------------------------------------------------------------------
     def __enter__(self):
+        self._thread = threading.get_ident()
+        self._captures = open_captures()  # the list of the opening thread, whichever thread removes the hooks
+        self._captures.append(self)
         try:
             for index, layer in enumerate(self.decoder_layers):
                 self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(index), with_kwargs=True))
@@ -192,16 +258,8 @@ class LayerCapture(contextlib.AbstractContextManager):
                 if isinstance(out_proj, nn.Module):
                     self._handles.append(out_proj.register_forward_hook(self._out_proj_hook(located)))
             if self.record_attention:
-                # An instance attribute shadows AttentionInterface.get_interface while we record; every attention
-                # module of transformers 5 looks its implementation up through it at call time.
-                self._had_instance_get_interface = "get_interface" in vars(ALL_ATTENTION_FUNCTIONS)
-                self._previous_get_interface = ALL_ATTENTION_FUNCTIONS.get_interface
-                previous = self._previous_get_interface
-
-                def get_interface(attn_implementation, default):
-                    return self._wrap_attention(previous(attn_implementation, default))
-
-                ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
+                ATTENTION_PATCH.__enter__()
+                self._attention_patched = True
         except BaseException:
             self._remove()
             raise
@@ -212,12 +270,11 @@ class LayerCapture(contextlib.AbstractContextManager):
             handle.remove()
         self._handles.clear()
         self._layer_stack.clear()
-        if self._previous_get_interface is not None:
-            if self._had_instance_get_interface:
-                ALL_ATTENTION_FUNCTIONS.get_interface = self._previous_get_interface
-            else:
-                vars(ALL_ATTENTION_FUNCTIONS).pop("get_interface", None)
-            self._previous_get_interface = None
+        if self in self._captures:
+            self._captures.remove(self)
+        if self._attention_patched:
+            self._attention_patched = False
+            ATTENTION_PATCH.__exit__(None, None, None)
 
     def __exit__(self, *exc):
         self._remove()

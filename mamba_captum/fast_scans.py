@@ -7,12 +7,17 @@ mixers look up at call time — are replaced by a dispatcher: CUDA tensors go to
 mamba-ssm is installed (its fused CUDA kernel), else float32 CUDA tensors to the Triton scan
 (:func:`mamba_captum.kernels.selective_scan.selective_scan_triton`), everything else to
 :func:`mamba_captum.kernels.selective_scan.selective_scan_chunked` (explicit forward and backward, linear in L,
-equal to HF's path to float rounding; plain torch). Everything is restored on exit,
-whatever happened. The library enters it around its own forward passes.
+equal to HF's path to float rounding; plain torch). The library enters it around its own forward passes.
+
+The swap is per thread: the dispatcher is installed in the module while any thread is inside ``fast_scans()``
+(a :class:`mamba_captum.session.SharedPatch`, restored when the last thread leaves, in any interleaving), and it
+sends a call to the fast scan only when the calling thread itself is inside ``fast_scans()``; other threads get
+HF's own function.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 
@@ -20,6 +25,7 @@ import torch
 
 from .kernels.selective_scan import selective_scan_chunked, selective_scan_triton
 from .kernels.triton_maps import triton_available
+from .session import SharedPatch, thread_state
 
 SCAN_MODULES = {
     "MambaMixer": "transformers.models.mamba.modeling_mamba",
@@ -32,8 +38,15 @@ def _has_mamba_ssm() -> bool:
     return importlib.util.find_spec("mamba_ssm") is not None
 
 
-def _dispatcher(original):
+def _thread_depth() -> dict:
+    """module path -> how many ``fast_scans()`` contexts of this thread have it swapped."""
+    return thread_state("fast_scans", dict)
+
+
+def _dispatcher(path, original):
     def mamba_selective_scan(hidden_states, *args, **kwargs):
+        if not _thread_depth().get(path):  # a thread outside fast_scans(): HF's own function
+            return original(hidden_states, *args, **kwargs)
         if hidden_states.device.type == "cuda":
             if _has_mamba_ssm():
                 return original(hidden_states, *args, **kwargs)
@@ -45,9 +58,27 @@ def _dispatcher(original):
     return mamba_selective_scan
 
 
+def _install(path):
+    module = importlib.import_module(path)
+    original = module.mamba_selective_scan
+    dispatcher = _dispatcher(path, original)
+    module.mamba_selective_scan = dispatcher
+    return module, original, dispatcher
+
+
+def _uninstall(token):
+    module, original, dispatcher = token
+    if module.mamba_selective_scan is dispatcher:  # someone patched over it meanwhile: leave theirs in place
+        module.mamba_selective_scan = original
+
+
+PATCHES = {path: SharedPatch(functools.partial(_install, path), _uninstall) for path in SCAN_MODULES.values()}
+
+
 @contextlib.contextmanager
 def fast_scans(model=None):
-    """Swap HF's Mamba-1 selective scans for the fast ones while the context is open (see the module docstring).
+    """Swap HF's Mamba-1 selective scans for the fast ones while the context is open, for the calling thread (see
+    the module docstring).
 
     Args:
         model: only the scan modules of the mixers this model contains are swapped; None swaps all three.
@@ -58,18 +89,20 @@ def fast_scans(model=None):
             LayerIntegratedGradients(forward, model.backbone.embeddings).attribute(ids, target=t, n_steps=50)
     """
     if model is None:
-        names = list(SCAN_MODULES.values())
+        paths = list(SCAN_MODULES.values())
     else:
         present = {type(m).__name__ for m in model.modules()}
-        names = [path for mixer, path in SCAN_MODULES.items() if mixer in present]
-    swapped = []
-    try:
-        for name in names:
-            module = importlib.import_module(name)
-            original = module.mamba_selective_scan
-            module.mamba_selective_scan = _dispatcher(original)
-            swapped.append((module, original))
+        paths = [path for mixer, path in SCAN_MODULES.items() if mixer in present]
+    depth = _thread_depth()
+    with contextlib.ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(PATCHES[path])
+            depth[path] = depth.get(path, 0) + 1
+            stack.callback(_leave, depth, path)
         yield
-    finally:
-        for module, original in reversed(swapped):
-            module.mamba_selective_scan = original
+
+
+def _leave(depth: dict, path: str):
+    depth[path] -= 1
+    if not depth[path]:
+        del depth[path]

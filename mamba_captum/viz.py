@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import families
+from .session import session
 from captum.attr import LLMAttributionResult, TextTokenInput
 from captum.attr import visualization as captum_visualization
 
@@ -82,7 +82,7 @@ def generation_queries(method, inp, target, tokenizer, gen_args):
     prompt = prompt.to(device)
     if target is None:
         options = {"max_new_tokens": 25, "do_sample": False, **(gen_args or {})}
-        with torch.no_grad(), families.preserved_state(method.model):
+        with torch.no_grad(), session(method.model, method._runner.decoder_layers):
             generated = method.model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
         target_ids = generated[0, prompt.shape[1]:]
     elif isinstance(target, str):

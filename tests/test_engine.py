@@ -143,10 +143,14 @@ def test_bad_arguments_are_clear_errors():
 
 def test_hooks_removed_when_the_forward_raises():
     model = make_model("jamba")
+    failing = model.model.layers[2].register_forward_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("boom")))
     before = model_state(model)
-    with pytest.raises(IndexError):
-        mc.implicit_attention(model, torch.full((1, 4), VOCAB + 5))  # ids outside the vocabulary
+    with pytest.raises(RuntimeError, match="boom"):
+        mc.implicit_attention(model, torch.randint(3, VOCAB, (1, 4)))  # the forward raises inside layer 2
+    failing.remove()
     assert_untouched(model, before)
+    with pytest.raises(ValueError, match=r"token id 69, outside the model's vocabulary \(0..63\)"):
+        mc.implicit_attention(model, torch.full((1, 4), VOCAB + 5))
 
 
 def test_mismatch_raises_naming_the_layer():

@@ -7,7 +7,8 @@ import contextlib
 import torch
 from captum.attr import Attribution
 
-from .. import families
+from ..checks import check_finite
+from ..session import session
 from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
 
 RECIPES = ("product", "official")
@@ -69,9 +70,16 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
     def _explain(self, inputs, target, additional_forward_args, attention_mask, position, formulation, start_layer,
                  reduce, components, recipe, forward_kwargs, queries=None, **extra):
         options, start = self._options(recipe, start_layer, reduce, **extra)
-        with families.preserved_state(self.model):  # RWKV: rebuild with the weights its forward used, then restore
-            return self._explain_preserved(inputs, target, additional_forward_args, attention_mask, position,
-                                           formulation, components, forward_kwargs, queries, options, start)
+        # session: one call at a time on this model, a plain eager forward, RWKV's rescaling undone after the
+        # rebuild (which needs the weights the forward used)
+        with session(self.model, self._runner.decoder_layers, self._runner.forward_func):
+            explained, relevance = self._explain_preserved(inputs, target, additional_forward_args, attention_mask,
+                                                           position, formulation, components, forward_kwargs,
+                                                           queries, options, start)
+        for scores in relevance:
+            check_finite(scores, f"the {type(self).__name__} relevance (please report this: every layer's output "
+                         "was finite and reproduced)")
+        return explained, relevance
 
     def _explain_preserved(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
                            components, forward_kwargs, queries, options, start):

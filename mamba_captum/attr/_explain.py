@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import families
-from ..attention import FORMULATIONS, _operators
+from ..attention import FORMULATIONS, _operators, check_recorded
 from ..capture import LayerCapture
+from ..checks import check_finite, check_inputs, check_mask, index_list, single_index
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
 
@@ -99,18 +100,12 @@ def format_inputs(inputs):
 
 
 def format_mask(attention_mask, inputs) -> torch.Tensor:
+    """The checked mask (:func:`mamba_captum.checks.check_mask`) as float32 (B, L); all ones when None."""
     batch, length = inputs.shape[:2]
     if attention_mask is None:
         return torch.ones(batch, length, device=inputs.device)
-    if tuple(attention_mask.shape) != (batch, length):
-        raise ValueError(f"mamba_captum: attention_mask has shape {tuple(attention_mask.shape)}; "
-                         f"inputs are ({batch}, {length}).")
-    mask = attention_mask.to(torch.float32)
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("mamba_captum: attention_mask must hold 0 (padding) and 1 (real token) only.")
-    if not bool(mask.any(-1).all()):
-        raise ValueError("mamba_captum: an example of the batch has no real token (its attention_mask is all 0).")
-    return mask
+    check_mask(attention_mask, batch, length, inputs.device)
+    return attention_mask.to(torch.float32)
 
 
 def last_real_token(mask: torch.Tensor) -> torch.Tensor:
@@ -124,7 +119,7 @@ def format_positions(position, mask: torch.Tensor) -> torch.Tensor:
     batch, length = mask.shape
     if position is None:
         return last_real_token(mask)
-    positions = torch.as_tensor(position, dtype=torch.long, device=mask.device).reshape(-1)
+    positions = torch.tensor(index_list(position, "position"), dtype=torch.long, device=mask.device)
     if positions.numel() == 1:
         positions = positions.expand(batch)
     if positions.numel() != batch:
@@ -176,7 +171,7 @@ def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
 def start_layer_index(start_layer, count: int) -> int:
     if start_layer is None:
         return 0
-    start = int(start_layer)
+    start = single_index(start_layer, "start_layer")
     if not -count <= start < count:
         raise IndexError(f"mamba_captum: start_layer={start_layer} out of range for {count} decoder layers.")
     return start % count
@@ -257,6 +252,9 @@ class Runner:
         if formulation not in FORMULATIONS:
             raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
         kept = families.parse_components(components, formulation)
+        if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
+            check_inputs(self.model, None if inputs.is_floating_point() else inputs,
+                         inputs if inputs.is_floating_point() else None)
         mask = format_mask(attention_mask, inputs)
         positions = format_positions(position, mask)
         layers = list(range(start_layer, len(self.decoder_layers)))
@@ -274,6 +272,7 @@ class Runner:
         finally:
             self._active.discard(capture)
         trace = capture.trace
+        check_recorded(trace, self.mixers, layers)
         explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [])
         grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
         try:
@@ -288,6 +287,9 @@ class Runner:
             else:
                 logits = output.logits if self.forward_func is None else output
                 queries = [(pos, logits[torch.arange(len(pos)), pos], tgt) for pos, tgt in queries]
+            for _, scores, _ in queries:
+                check_finite(None if scores is None else scores.detach(), "the explained scores (the model's "
+                             "output logits)", self.model)
             explained.queries = [Query(pos, tgt) for pos, _, tgt in queries]
             explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
             if need_grad:
@@ -314,8 +316,21 @@ class Runner:
             call.output_grads = []
         for number, (_, scores, targets) in enumerate(queries):
             picked = scores.gather(1, targets[:, None].to(scores.device)).sum()
+            if not picked.requires_grad:
+                raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
+                                   "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
+                                   "return the scores as computed from the model's output.")
             grads = torch.autograd.grad(picked, tensors, retain_graph=number < len(queries) - 1, allow_unused=True)
-            grads = [torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)]
+            if any(g is None for g in grads):
+                # Every recorded layer lies between the inputs and the scores: a tensor the gradient cannot reach
+                # was computed outside autograd's view (compiled code, a CUDA graph, a detach in forward_func).
+                raise RuntimeError(
+                    "mamba_captum: the explained scores do not depend, for autograd, on the recorded layers: the "
+                    "forward pass ran them where autograd cannot follow (code compiled with torch.compile inside "
+                    "forward_func, a CUDA graph, or a .detach()). Pass the model itself (compiled models are run "
+                    "eagerly by the library) or a forward_func that keeps the graph.")
+            for grad in grads:
+                check_finite(grad, "the gradients of the explained scores", explained.model)
             if residual_grads:
                 for i, grad in zip(layers, grads[:len(layers)]):
                     explained.residual_grads.setdefault(i, []).append(grad.detach())

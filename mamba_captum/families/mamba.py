@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..kernels.scans import selective_scan_reference
 from ..operators import SelectiveOperator
+from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 
@@ -36,7 +37,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "the unified operator is defined for silu.")
-    projected = mixer.in_proj(_masked(hidden, mask))
+    projected = run(mixer.in_proj, _masked(hidden, mask))
     x, z = projected.chunk(2, dim=-1)  # (B, L, D_in) each, the model's dtype
     taps = mixer.conv1d.weight[:, 0, :]  # (D_in, K)
     pre = F.conv1d(x.transpose(1, 2).to(taps.dtype), mixer.conv1d.weight, mixer.conv1d.bias,
@@ -44,16 +45,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     u = F.silu(pre).to(x.dtype)
     if call.unfused:  # the fused training kernel does not re-apply the pad mask after the conv
         u = _masked(u, mask)
-    dt_low, B, C = torch.split(mixer.x_proj(u), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size],
+    dt_low, B, C = torch.split(run(mixer.x_proj, u), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size],
                                dim=-1)
     norm_dt_after_projection = False
     if hasattr(mixer, "dt_layernorm"):  # FalconMamba (weightless) and Jamba (learned) RMS norms
-        B, C = mixer.b_layernorm(B), mixer.c_layernorm(C)
+        B, C = run(mixer.b_layernorm, B), run(mixer.c_layernorm, C)
         # HF's torch path normalises the rank-R dt before dt_proj; mamba-ssm's fused kernel (training mode)
         # normalises the D_in-wide projection instead (the dummy weight has D_in entries). Follow what ran.
         norm_dt_after_projection = not call.unfused
         if not norm_dt_after_projection:
-            dt_low = mixer.dt_layernorm(dt_low)
+            dt_low = run(mixer.dt_layernorm, dt_low)
 
     w = lambda t: t.to(work_dtype)
     dt = w(F.linear(dt_low, mixer.dt_proj.weight))
@@ -68,15 +69,14 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     check = lambda t: t.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
     skip, gate = w(mixer.D) * u, F.silu(z)
-    rebuilt = mixer.out_proj(((scan + skip) * gate).to(hidden.dtype))
+    rebuilt = run(mixer.out_proj, ((scan + skip) * gate).to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
-    weight = mixer.out_proj.weight.to(torch.float64)
-    bias = None if mixer.out_proj.bias is None else mixer.out_proj.bias.to(torch.float64)
+    out_proj = linear_readout(mixer.out_proj)
     if formulation == "hidden":  # the operator's output is the scan; the D skip and the gate come after it
-        readout = lambda y: F.linear((y + skip.double()) * gate.double(), weight, bias)  # noqa: E731
+        readout = lambda y: out_proj((y + skip.double()) * gate.double())  # noqa: E731
         return SelectiveOperator(delta, A, B, C, operator_mask, values=u, output=scan, readout=readout), rebuilt
-    readout = lambda y: F.linear(y + (skip * gate).double(), weight, bias)  # noqa: E731 (out_proj, linear)
+    readout = lambda y: out_proj(y + (skip * gate).double())  # noqa: E731 (out_proj, linear)
     col = torch.sigmoid(pre) if "act" in components else None
     if operator_mask is not None:
         col = operator_mask[:, :, None].expand_as(u) if col is None else col * operator_mask[:, :, None]

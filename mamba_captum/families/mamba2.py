@@ -21,6 +21,7 @@ from torch import nn
 from ..kernels.scans import ssd_scan_reference
 from ..operators import SSDOperator
 from .mamba import _masked
+from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer",
                  "GraniteMoeHybridMambaLayer")
@@ -59,7 +60,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     h = _masked(hidden, mask)
     if hasattr(mixer, "ssm_in_multiplier"):
         h = h * mixer.ssm_in_multiplier
-    projected = mixer.in_proj(h)
+    projected = run(mixer.in_proj, h)
     if hasattr(mixer, "mup_vector"):
         projected = projected * mixer.mup_vector
     z, xbc, dt = projected.split([d_inner, mixer.conv_dim, heads], dim=-1)
@@ -86,17 +87,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     gate = F.silu(z)
     nu = _norm_scale(mixer, y, gate, call.unfused)
     inner = y * gate if nu is None else nu * gate * y
-    rebuilt = mixer.out_proj(inner.to(hidden.dtype))
+    rebuilt = run(mixer.out_proj, inner.to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
-    weight = mixer.out_proj.weight.to(torch.float64)
-    bias = None if mixer.out_proj.bias is None else mixer.out_proj.bias.to(torch.float64)
+    out_proj = linear_readout(mixer.out_proj)
     gate64, skip64 = gate.double(), skip.double()
     if formulation == "hidden":  # the operator's output is the SSD scan; skip, gate and norm come after it
         def readout(out):
             full = (out + skip64).reshape(batch, length, d_inner)
             scale = _norm_scale(mixer, full, gate64, call.unfused)
-            return F.linear(full * gate64 * (1.0 if scale is None else scale), weight, bias)
+            return out_proj(full * gate64 * (1.0 if scale is None else scale))
 
         return SSDOperator(delta, A, B, C, operator_mask, values=x_heads, output=ssd, readout=readout), rebuilt
     # unified: the operator's output is out_proj's input without the skip's share (ν fixed at its real value)
@@ -104,7 +104,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     skip_share = (skip.reshape(batch, length, d_inner) * token_scale).double()
 
     def readout(out):
-        return F.linear(out.reshape(batch, length, d_inner) + skip_share, weight, bias)
+        return out_proj(out.reshape(batch, length, d_inner) + skip_share)
 
     def per_head(t):
         return None if t is None else t.reshape(batch, length, heads, head_dim)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.scans import decay_scan_reference
 from ..operators import DecayOperator
+from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("RecurrentGemmaRecurrentBlock",)
 IGNORES_ATTENTION_MASK = True
@@ -56,8 +57,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if position_ids is None:
         raise RuntimeError(f"mamba_captum: {call.located.name} was called without position_ids.")
     lru, conv = block.rg_lru, block.conv_1d
-    y_branch = block.act_fn(block.linear_y(hidden))
-    x = block.linear_x(hidden)
+    y_branch = run(block.act_fn, run(block.linear_y, hidden))
+    x = run(block.linear_x, hidden)
     taps = conv.weight[:, 0, :]  # (W, K)
     conv_out = F.conv1d(x.transpose(1, 2), conv.weight, conv.bias, padding=taps.shape[1] - 1,
                         groups=taps.shape[0])[..., :length].transpose(1, 2)
@@ -76,13 +77,12 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                   mask=None if call.attention_mask is None else w(call.attention_mask), s6="s6" in components)
 
     scan = decay_scan_reference(w(conv_out), log_decay, col_weight=col, segments=segments)  # RG-LRU output
-    rebuilt = block.linear_out((scan * gate).to(hidden.dtype))
-    weight = block.linear_out.weight.to(torch.float64)
-    bias = None if block.linear_out.bias is None else block.linear_out.bias.to(torch.float64)
+    rebuilt = run(block.linear_out, (scan * gate).to(hidden.dtype))
+    linear_out = linear_readout(block.linear_out)
     gate64 = gate.double()
     if formulation == "hidden":  # over the conv output c; the gelu branch comes after
         operator = DecayOperator(**common, col_weight=col, values=w(conv_out), output=scan,
-                                 readout=lambda y: F.linear(y * gate64, weight, bias))
+                                 readout=lambda y: linear_out(y * gate64))
         return operator, rebuilt
     # unified: over x; the conv bias' share y · α b comes from no token and is added back by the readout
     conv_bias = torch.zeros_like(col) if conv.bias is None else w(conv.bias).expand_as(col)
@@ -93,7 +93,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         col_weight=col if "s6" in components else None,
         conv_weight=w(taps) if "conv" in components else None,
         values=w(x), output=scan * gate64 - bias_share,
-        readout=lambda y: F.linear(y + bias_share, weight, bias),
+        readout=lambda y: linear_out(y + bias_share),
     )
     return operator, rebuilt
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..kernels.scans import decay_scan_reference
 from ..operators import DecayOperator
+from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("RwkvSelfAttention",)
 IGNORES_ATTENTION_MASK = True
@@ -71,19 +72,18 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     log_decay = decay.expand_as(k)
     log_q, log_k, log_diag = -log_z, k + decay, first + k - log_z
     wkv = decay_scan_reference(v, log_decay, log_q, log_k, log_diag)
-    rebuilt = mixer.output((r * wkv).to(hidden.dtype))
+    rebuilt = run(mixer.output, (r * wkv).to(hidden.dtype))
 
     mask = None if call.attention_mask is None else w(call.attention_mask)
-    weight = mixer.output.weight.to(torch.float64)
-    bias = None if mixer.output.bias is None else mixer.output.bias.to(torch.float64)
+    output = linear_readout(mixer.output)
     common = dict(log_decay=log_decay, log_q=log_q, log_k=log_k, log_diag=log_diag, segments=None, mask=mask,
                   values=v, s6="s6" in components)
     if formulation == "hidden":  # the operator's output is the WKV; the receptance gate comes after it
         r64 = r.double()
-        return DecayOperator(**common, output=wkv, readout=lambda y: F.linear(r64 * y, weight, bias)), rebuilt
+        return DecayOperator(**common, output=wkv, readout=lambda y: output(r64 * y)), rebuilt
     row = r if "gate" in components else None
     operator = DecayOperator(**common, row_weight=row, output=r * wkv,
-                             readout=lambda y: F.linear(y, weight, bias))
+                             readout=output)
     return operator, rebuilt
 
 

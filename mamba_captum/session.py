@@ -1,0 +1,154 @@
+"""How the library runs its own forward passes on a user's model: serialised per model, thread-aware, and leaving
+nothing changed behind it.
+
+Concurrency guarantees (docs/robustness.md):
+
+- Calls on one model are serialised: a re-entrant lock per model (keyed by its decoder-layer list, so a
+  ``torch.compile`` wrapper and the module it wraps share it) is held for the whole call. Calls on different models
+  run in parallel.
+- The process-wide changes the library makes to ``transformers`` (the attention-interface lookup, HF's Mamba-1
+  scan functions) and to ``torch`` (``torch.compile``'s stance, only while a compiled model is explained) are
+  :class:`SharedPatch` es: installed by the first user, restored by the last one to leave, under a lock, whatever
+  the interleaving of threads. The transformers patches act only for a thread that is inside the library; any
+  other thread sees transformers' own behaviour while they are installed.
+- While a call runs, the model runs as one plain eager forward pass: gradient checkpointing is switched off
+  (its recomputation replays the layers outside the library's hooks, and reentrant checkpointing builds no graph
+  to differentiate) and compiled code runs eagerly (tensors inside a compiled graph are not observable by hooks
+  or autograd). The forward is the same computation either way; every flag is restored on exit.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from . import families
+
+
+class SharedPatch:
+    """A process-wide change held by any number of users: ``install()`` when the first one enters, ``uninstall(token)``
+    (with what ``install`` returned) when the last one leaves, both under a lock.
+
+    Entering and leaving in any interleaving of threads leaves the process as it was once every user has left.
+    """
+
+    def __init__(self, install, uninstall):
+        self._install, self._uninstall = install, uninstall
+        self._lock = threading.Lock()
+        self._users = 0
+        self._token = None
+
+    @property
+    def users(self) -> int:
+        return self._users
+
+    def __enter__(self):
+        with self._lock:
+            if self._users == 0:
+                self._token = self._install()
+            self._users += 1
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                token, self._token = self._token, None
+                self._uninstall(token)
+        return False
+
+
+# -- per-thread state ------------------------------------------------------------------------------------------------
+_local = threading.local()
+
+
+def thread_state(name: str, default_factory):
+    """This thread's value of ``name`` (created by ``default_factory`` on first use)."""
+    values = _local.__dict__
+    if name not in values:
+        values[name] = default_factory()
+    return values[name]
+
+
+# -- one model, one call at a time -----------------------------------------------------------------------------------
+_model_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_model_locks_guard = threading.Lock()
+
+
+def model_lock(decoder_layers: nn.Module) -> threading.RLock:
+    """The re-entrant lock that serialises the library's calls on the model owning ``decoder_layers``."""
+    with _model_locks_guard:
+        lock = _model_locks.get(decoder_layers)
+        if lock is None:
+            lock = _model_locks[decoder_layers] = threading.RLock()
+        return lock
+
+
+# -- a plain eager forward -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def checkpointing_off(model: nn.Module):
+    """Switch gradient checkpointing off on every module that has it on; put each flag back exactly on exit."""
+    switched = [(module, "gradient_checkpointing" in vars(module)) for module in model.modules()
+                if getattr(module, "gradient_checkpointing", False) is True]
+    try:
+        for module, _ in switched:
+            module.gradient_checkpointing = False
+        yield
+    finally:
+        for module, own_attribute in switched:
+            if own_attribute:
+                module.gradient_checkpointing = True
+            else:  # the True came from the class: drop the instance attribute we set
+                vars(module).pop("gradient_checkpointing", None)
+
+
+def _is_compiled(target) -> bool:
+    if target is None:
+        return False
+    if getattr(target, "_torchdynamo_orig_callable", None) is not None:  # a torch.compile'd function
+        return True
+    owner = getattr(target, "__self__", None)  # a bound method of a compiled module
+    if isinstance(owner, nn.Module) and owner is not target and _is_compiled(owner):
+        return True
+    if isinstance(target, nn.Module):
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        return any(isinstance(module, OptimizedModule) or getattr(module, "_compiled_call_impl", None) is not None
+                   for module in target.modules())
+    return False
+
+
+def _install_eager():
+    return torch.compiler.set_stance("force_eager")
+
+
+def _uninstall_eager(stance):
+    stance.__exit__(None, None, None)  # back to the stance that was set before the first user entered
+
+
+EAGER = SharedPatch(_install_eager, _uninstall_eager)
+
+
+@contextlib.contextmanager
+def eager_if_compiled(model: nn.Module, forward_func=None):
+    """Run compiled code eagerly (``torch.compile``'s ``"force_eager"`` stance) while the context is open, if the
+    model or ``forward_func`` holds compiled code. The stance is process-wide: other threads' compiled code also
+    runs eagerly (same results, slower) until the last such call leaves."""
+    if not (_is_compiled(model) or _is_compiled(forward_func)):
+        yield
+        return
+    with EAGER:
+        yield
+
+
+@contextlib.contextmanager
+def session(model: nn.Module, decoder_layers: nn.Module, forward_func=None):
+    """Everything around one of the library's calls on ``model``: the model's lock, what HF forwards change on the
+    modules (RWKV's rescaling, RecurrentGemma's cached states) undone, gradient checkpointing off, compiled code
+    eager."""
+    with model_lock(decoder_layers), families.preserved_state(model), checkpointing_off(model), \
+            eager_if_compiled(model, forward_func):
+        yield

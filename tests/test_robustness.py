@@ -1,0 +1,435 @@
+"""Hostile use: no silent wrong answer, no leaked state (issue 16).
+
+Compiled, frozen, gradient-checkpointed models give the plain model's numbers; threads leave transformers' module
+globals as they were; the user's own hooks fire once per call; bad arguments and non-finite models are refused
+with errors that name the problem; nothing in the model changes on success or on any error path.
+"""
+import copy
+import importlib
+import pickle
+import threading
+
+import pytest
+import torch
+from test_engine import assert_untouched, model_state
+from test_identities import liven, padded_batch
+from tiny_models import CONFIGS, RECURRENT_CONFIGS, VOCAB, make_model
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import mamba_captum as mc
+fast_scans_module = importlib.import_module("mamba_captum.fast_scans")  # the function shadows the module
+from mamba_captum.session import EAGER
+
+SCAN_MODULES = [importlib.import_module(path) for path in fast_scans_module.SCAN_MODULES.values()]
+ORIGINAL_SCANS = {module: module.mamba_selective_scan for module in SCAN_MODULES}
+ALL_FAMILIES = list(CONFIGS) + list(RECURRENT_CONFIGS)
+
+
+def assert_globals_restored():
+    """transformers' module globals and torch.compile's stance as they were before the library ran."""
+    assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS)
+    assert all(module.mamba_selective_scan is ORIGINAL_SCANS[module] for module in SCAN_MODULES)
+    assert EAGER.users == 0 and torch._dynamo.eval_frame._stance.stance == "default"
+
+
+@pytest.fixture(scope="module")
+def mamba():
+    return liven(make_model("mamba", seed=1))
+
+
+# -- compiled models ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["wrapper", "in_place"])
+def test_compiled_model_gives_the_plain_models_numbers(how):
+    # aot_eager: the AOTAutograd graph that hid the layers from autograd, without inductor's C++ compile time
+    plain = liven(make_model("jamba", seed=2))
+    ids, mask = padded_batch(8, pads=2)
+    expected = mc.MambaAttribution(plain).attribute(ids, target=5, attention_mask=mask)
+    expected_maps = mc.implicit_attention(plain, ids, mask)
+    model = liven(make_model("jamba", seed=2))
+    if how == "wrapper":
+        compiled = torch.compile(model, backend="aot_eager")
+    else:
+        model.compile(backend="aot_eager")
+        compiled = model
+    compiled(ids, attention_mask=mask)  # compile once, as a user would have
+    got = mc.MambaAttribution(compiled).attribute(ids, target=5, attention_mask=mask)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7)
+    maps = mc.implicit_attention(compiled, ids, mask)
+    assert all(torch.allclose(maps[k], expected_maps[k], atol=1e-6) for k in expected_maps)
+    assert_globals_restored()
+
+
+def test_a_forward_func_running_a_compiled_model_gives_the_plain_numbers():
+    model = make_model("mamba")
+    ids = torch.randint(3, VOCAB, (1, 5))
+    expected = mc.MambaAttribution(model).attribute(ids, target=3)
+    hidden = torch.compile(model, backend="aot_eager")
+
+    def forward(ids, **kwargs):  # the library cannot see that this closure runs compiled code
+        return hidden(ids, **kwargs).logits[:, -1]
+
+    # dynamo breaks its graph at the library's hooks, so the recorded layer outputs stay on autograd's path
+    got = mc.MambaAttribution(model, forward_func=forward).attribute(ids, target=3)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert_globals_restored()
+
+
+def test_scores_disconnected_from_the_layers_are_refused():
+    model = make_model("mamba")
+    ids = torch.randint(3, VOCAB, (1, 5))
+    offset = torch.zeros(1, requires_grad=True)
+    detached = lambda ids, **kwargs: model(ids, **kwargs).logits[:, -1].detach()  # noqa: E731
+    disconnected = lambda ids, **kwargs: model(ids, **kwargs).logits[:, -1].detach() + offset  # noqa: E731
+    with pytest.raises(RuntimeError, match="scores carry no autograd graph"):
+        mc.MambaAttribution(model, forward_func=detached).attribute(ids, target=3)
+    with pytest.raises(RuntimeError, match="do not depend, for autograd, on the recorded layers"):
+        mc.MambaAttribution(model, forward_func=disconnected).attribute(ids, target=3)
+    assert_globals_restored()
+
+
+# -- frozen and gradient-checkpointed models ------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "jamba", "rwkv", "recurrent_gemma"])
+def test_frozen_model_gives_the_same_attribution(family):
+    ids = torch.randint(3, VOCAB, (2, 7))
+    expected = mc.MambaAttribution(make_model(family)).attribute(ids, target=5)
+    frozen = make_model(family).requires_grad_(False)  # also what PEFT's merge_and_unload() returns
+    before = model_state(frozen)
+    got = mc.MambaAttribution(frozen).attribute(ids, target=5)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-7)
+    assert_untouched(frozen, before)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2", "jamba", "recurrent_gemma"])
+@pytest.mark.parametrize("kwargs", [None, {"use_reentrant": True}, {"use_reentrant": False}])
+def test_gradient_checkpointing_in_train_mode_gives_the_plain_numbers(family, kwargs):
+    ids = torch.randint(3, VOCAB, (2, 7))
+    expected = {rule: mc.MambaAttribution(make_model(family).train()).attribute(ids, target=5, gradient_rule=rule)
+                for rule in ("grad_x_operator", "residual")}
+    model = make_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+    flags = {name: vars(m).get("gradient_checkpointing") for name, m in model.named_modules()}
+    before = model_state(model)
+    for rule, reference in expected.items():
+        got = mc.MambaAttribution(model).attribute(ids, target=5, gradient_rule=rule)
+        assert torch.allclose(got, reference, rtol=1e-5, atol=1e-7), rule
+    assert {name: vars(m).get("gradient_checkpointing") for name, m in model.named_modules()} == flags
+    assert model.is_gradient_checkpointing and model.training
+    assert all(p.grad is None for p in model.parameters())
+    hf_hook = model.get_input_embeddings()._forward_hooks.copy()  # HF's enable_input_require_grads hook stays
+    model.get_input_embeddings()._forward_hooks.clear()
+    assert_untouched(model, before)
+    assert hf_hook
+
+
+# -- the user's own hooks --------------------------------------------------------------------------------------------
+def count_calls(model):
+    """A forward hook and a forward pre-hook on every module, counting its calls."""
+    counts, handles = {}, []
+    for name, module in model.named_modules():
+        def pre(module, args, name=name):
+            counts[name, "pre"] = counts.get((name, "pre"), 0) + 1
+
+        def post(module, args, output, name=name):
+            counts[name, "post"] = counts.get((name, "post"), 0) + 1
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    return counts, handles
+
+
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_user_hooks_fire_exactly_as_in_one_plain_forward(family):
+    model = make_model(family)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    counts, handles = count_calls(model)
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    plain = dict(counts)
+    assert any("in_proj" in name or "linear_x" in name or "output" in name for name, _ in plain)
+    for call in (lambda: mc.implicit_attention(model, ids), lambda: mc.MambaAttribution(model).attribute(ids),
+                 lambda: mc.MambaAttribution(model).attribute(ids, gradient_rule="residual"),
+                 lambda: mc.MambaRollout(model).attribute(ids)):
+        counts.clear()
+        call()
+        assert counts == plain
+    for handle in handles:
+        handle.remove()
+
+
+def test_a_user_hook_that_changes_a_projection_is_named_in_the_error():
+    model = make_model("mamba2")
+    model.backbone.layers[1].mixer.in_proj.register_forward_hook(lambda module, args, out: out * 1.5)
+    with pytest.raises(mc.ReconstructionError, match=r"layer 1 .*in_proj of this layer carr(y|ies) forward hooks"):
+        mc.implicit_attention(model, torch.randint(3, VOCAB, (1, 6)))
+
+
+# -- threads ---------------------------------------------------------------------------------------------------------
+def test_fast_scans_restored_whatever_the_interleaving_of_threads():
+    entered, release = [threading.Event() for _ in range(2)], [threading.Event() for _ in range(2)]
+
+    def hold(number):
+        with mc.fast_scans():
+            entered[number].set()
+            release[number].wait(10)
+
+    for order in ((0, 1), (1, 0)):  # A in, B in, then A out first, or B out first
+        threads = [threading.Thread(target=hold, args=(n,)) for n in range(2)]
+        for number, thread in enumerate(threads):
+            thread.start()
+            entered[number].wait(10)
+        for number in order:
+            release[number].set()
+            threads[number].join(10)
+        for event in entered + release:
+            event.clear()
+        assert_globals_restored()
+
+
+def test_a_thread_outside_fast_scans_runs_hfs_own_scan():
+    from mamba_captum.kernels.selective_scan import selective_scan_chunked
+
+    module = SCAN_MODULES[0]
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with mc.fast_scans():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    inside.wait(10)
+    try:
+        dispatcher = module.mamba_selective_scan  # installed for the other thread
+        assert dispatcher is not ORIGINAL_SCANS[module]
+        u, delta, A = torch.randn(1, 3, 5), torch.rand(1, 3, 5), -torch.rand(3, 2)
+        B, C = torch.randn(1, 2, 5), torch.randn(1, 2, 5)
+        hf = ORIGINAL_SCANS[module](u, delta, A, B, C)
+        assert torch.equal(dispatcher(u, delta, A, B, C), hf)  # this thread is outside fast_scans: HF's function
+        with mc.fast_scans():
+            assert torch.equal(dispatcher(u, delta, A, B, C), selective_scan_chunked(u, delta, A, B, C))
+    finally:
+        leave.set()
+        thread.join(10)
+    assert_globals_restored()
+
+
+def run_in_threads(jobs):
+    """Run each job in its own thread, all released at once; re-raise the first error."""
+    barrier, results, errors = threading.Barrier(len(jobs)), [None] * len(jobs), []
+
+    def work(index, job):
+        try:
+            barrier.wait(10)
+            results[index] = job()
+        except BaseException as error:  # noqa: BLE001 (re-raised below, in the test's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i, job)) for i, job in enumerate(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def maps_equal(a, b):
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
+
+
+def test_threads_on_one_model_and_on_two_models_give_single_thread_results():
+    jamba, mamba = make_model("jamba"), make_model("mamba")
+    ids, mask = padded_batch(8, pads=2)
+    expected = {"jamba": mc.implicit_attention(jamba, ids, mask),
+                "mamba": mc.implicit_attention(mamba, ids, mask),
+                "attribution": mc.MambaAttribution(jamba).attribute(ids, target=3, attention_mask=mask)}
+    before = model_state(jamba)
+
+    def maps_of(model, name):
+        return lambda: [maps_equal(mc.implicit_attention(model, ids, mask), expected[name]) for _ in range(3)]
+
+    def attribution():
+        return [torch.allclose(mc.MambaAttribution(jamba).attribute(ids, target=3, attention_mask=mask),
+                               expected["attribution"], rtol=1e-5, atol=1e-7) for _ in range(3)]
+
+    results = run_in_threads([maps_of(jamba, "jamba"), maps_of(jamba, "jamba"), attribution,
+                              maps_of(mamba, "mamba"), maps_of(mamba, "mamba")])
+    assert all(all(r) for r in results)
+    assert_globals_restored()
+    assert_untouched(jamba, before)
+
+
+def test_a_plain_forward_in_another_thread_is_not_recorded():
+    model = make_model("jamba")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    expected = mc.implicit_attention(model, ids)
+    stop, errors = threading.Event(), []
+
+    def plain_forwards():  # the user's own forwards of the same model, while the library explains it
+        try:
+            while not stop.is_set():
+                with torch.no_grad():
+                    model(torch.randint(3, VOCAB, (1, 6)), use_cache=False)
+        except BaseException as error:  # noqa: BLE001
+            errors.append(error)
+
+    thread = threading.Thread(target=plain_forwards)
+    thread.start()
+    try:
+        for _ in range(5):
+            assert maps_equal(mc.implicit_attention(model, ids), expected)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert not errors
+    assert_globals_restored()
+
+
+# -- bad arguments: clear errors, nothing changed --------------------------------------------------------------------
+BAD_CALLS = [
+    ("mask of 2.0", lambda m, ids: dict(attention_mask=torch.tensor([[1.0, 2.0, 1, 1, 1, 1]] * 2)),
+     ValueError, "holds 2.0; it must hold 0 .padding. and 1"),
+    ("soft mask", lambda m, ids: dict(attention_mask=torch.full((2, 6), 0.5)), ValueError, "holds 0.5"),
+    ("(1, L) mask", lambda m, ids: dict(attention_mask=torch.ones(1, 6)), ValueError,
+     r"shape \(1, 6\); the inputs are \(2, 6\).*nothing is broadcast"),
+    ("(B, L+1) mask", lambda m, ids: dict(attention_mask=torch.ones(2, 7)), ValueError, r"shape \(2, 7\)"),
+    ("all-pad row", lambda m, ids: dict(attention_mask=torch.tensor([[1] * 6, [0] * 6])), ValueError,
+     "no real token"),
+    ("mask on meta", lambda m, ids: dict(attention_mask=torch.ones(2, 6, device="meta")), ValueError,
+     "attention_mask is on meta"),
+    ("ids on meta", lambda m, ids: dict(input_ids=ids.to("meta")), ValueError,
+     r"input_ids is on meta, the model on cpu; move it with input_ids.to\('cpu'\)"),
+    ("empty batch", lambda m, ids: dict(input_ids=ids[:0]), ValueError, r"no examples \(batch size 0\)"),
+    ("no tokens", lambda m, ids: dict(input_ids=ids[:, :0]), ValueError, r"no tokens \(L = 0\)"),
+    ("1-D ids", lambda m, ids: dict(input_ids=ids[0]), ValueError, r"must be \(B, L\).*input_ids\[None\]"),
+    ("float ids", lambda m, ids: dict(input_ids=ids.float()), TypeError, "integer token ids.*inputs_embeds"),
+    ("ids outside the vocabulary", lambda m, ids: dict(input_ids=ids + VOCAB), ValueError,
+     r"outside the model's vocabulary \(0..63\)"),
+    ("bool rows", lambda m, ids: dict(rows=torch.tensor([True] * 6)), TypeError, "rows= is a boolean tensor"),
+    ("float rows", lambda m, ids: dict(rows=[1.5]), TypeError, "rows= must hold ints; got 1.5"),
+    ("empty rows", lambda m, ids: dict(rows=[]), ValueError, "rows= is empty"),
+    ("float layers", lambda m, ids: dict(layers=[0.7]), TypeError, "layers= must hold ints; got 0.7"),
+    ("string layers", lambda m, ids: dict(layers="1"), TypeError, "layers='1' is a string"),
+    ("bool layers", lambda m, ids: dict(layers=[True]), TypeError, "layers= must hold ints; got True"),
+    ("layers out of range", lambda m, ids: dict(layers=[5]), IndexError, "2 decoder layers"),
+]
+
+
+@pytest.mark.parametrize("name,arguments,error,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_map_arguments_are_refused_and_change_nothing(mamba, name, arguments, error, message):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    before = model_state(mamba)
+    kwargs = {"input_ids": ids, **arguments(mamba, ids)}
+    with pytest.raises(error, match=message):
+        mc.implicit_attention(mamba, **kwargs)
+    assert_untouched(mamba, before)
+    assert_globals_restored()
+
+
+@pytest.mark.parametrize("name,arguments,error,message",
+                         [c for c in BAD_CALLS if c[0] not in ("float ids", "bool rows", "float rows", "empty rows", "float layers",
+                                                               "string layers", "bool layers", "layers out of range")],
+                         ids=lambda c: c if isinstance(c, str) else "")
+def test_bad_inputs_are_refused_by_the_captum_classes(mamba, name, arguments, error, message):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    before = model_state(mamba)
+    kwargs = arguments(mamba, ids)
+    inputs = kwargs.pop("input_ids", ids)
+    for method in (mc.MambaAttribution, mc.MambaRollout, mc.MambaRawAttention):
+        with pytest.raises(error, match=message):
+            method(mamba).attribute(inputs, **kwargs)
+    assert_untouched(mamba, before)
+    assert_globals_restored()
+
+
+def test_float_and_bool_positions_and_start_layers_are_refused(mamba):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    explainer = mc.MambaAttribution(mamba)
+    for position in (3.7, True, torch.tensor([1.0, 2.0]), [2, 2.5]):
+        with pytest.raises(TypeError, match="position="):
+            explainer.attribute(ids, position=position)
+    for start in (0.5, True):
+        with pytest.raises(TypeError, match="start_layer="):
+            explainer.attribute(ids, start_layer=start)
+    assert torch.equal(explainer.attribute(ids, position=torch.tensor(3)), explainer.attribute(ids, position=3))
+
+
+def test_bool_and_integer_masks_are_accepted_and_agree(mamba):
+    ids, mask = padded_batch(8, pads=3)
+    expected = mc.implicit_attention(mamba, ids, mask)
+    for other in (mask.bool(), mask.float(), mask.to(torch.int32)):
+        assert maps_equal(mc.implicit_attention(mamba, ids, other), expected)
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = make_model("mamba")
+    with pytest.raises(ValueError, match="weights are on the meta device.*from_pretrained"):
+        mc.implicit_attention(model, torch.randint(3, VOCAB, (1, 4)))
+    with pytest.raises(ValueError, match="weights are on the meta device"):
+        mc.MambaAttribution(model).attribute(torch.randint(3, VOCAB, (1, 4)))
+
+
+def test_a_forward_run_in_other_threads_is_refused_not_returned_empty():
+    model = make_model("mamba")
+
+    def forward(ids, **kwargs):  # like nn.DataParallel: the model runs in worker threads
+        result = {}
+        thread = threading.Thread(target=lambda: result.setdefault("out", model(ids, **kwargs).logits[:, -1]))
+        thread.start()
+        thread.join()
+        return result["out"]
+
+    with pytest.raises(RuntimeError, match=r"decoder layers \[0, 1\] did not run .* from this thread"):
+        mc.MambaRollout(model, forward_func=forward).attribute(torch.randint(3, VOCAB, (1, 5)))
+
+
+# -- non-finite models -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named(value):
+    model = make_model("mamba2")
+    with torch.no_grad():
+        model.backbone.layers[1].mixer.out_proj.weight[0, :3] = value
+    before = model_state(model)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    with pytest.raises(mc.NonFiniteError, match=r"layer 1 .*non-finite weights: out_proj.weight \(3 non-finite"):
+        mc.implicit_attention(model, ids)
+    with pytest.raises(mc.NonFiniteError, match="out_proj.weight"):
+        mc.MambaAttribution(model).attribute(ids, target=2)
+    assert_globals_restored()
+    # compare by identity: NaN != NaN
+    assert all(torch.equal(v.nan_to_num(), before[0][k].nan_to_num()) for k, v in model.state_dict().items())
+
+
+def test_a_non_finite_head_is_refused_not_explained_as_nan():
+    model = make_model("mamba")
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # untie it from the embeddings
+        model.lm_head.weight[7] = float("nan")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    mc.implicit_attention(model, ids)  # the layers are finite: maps are fine
+    for method in (mc.MambaAttribution, mc.MambaRollout):
+        with pytest.raises(mc.NonFiniteError, match=r"explained scores .* lm_head.weight \(32 non-finite"):
+            method(model).attribute(ids, target=2)
+
+
+def test_a_non_finite_input_embedding_is_traced_to_the_input():
+    model = make_model("mamba")
+    embeds = model.get_input_embeddings()(torch.randint(3, VOCAB, (1, 5))).detach()
+    embeds[0, 2, 0] = float("nan")
+    with pytest.raises(mc.NonFiniteError, match="input already holds NaN or inf"):
+        mc.implicit_attention(model, inputs_embeds=embeds)
+
+
+# -- the Zamba2 shared-attention key ---------------------------------------------------------------------------------
+def test_zamba2_keys_sort_in_execution_order_and_stay_strings():
+    maps = mc.implicit_attention(make_model("zamba2"), torch.randint(3, VOCAB, (1, 5)))
+    assert list(maps) == [0, "1.shared_attention", 1, 2]
+    assert sorted(maps) == list(maps) and sorted(maps, reverse=True) == list(maps)[::-1]
+    key = list(maps)[1]
+    assert isinstance(key, str) and key == "1.shared_attention" and maps["1.shared_attention"] is maps[key]
+    assert 0 < key < 1 and key > 0 and key <= 1 and not key < 0
+    assert pickle.loads(pickle.dumps(key)) == key and copy.deepcopy(key).layer == 1
+    assert max(maps) == 2 and min(maps) == 0
