@@ -12,10 +12,13 @@ from .operators import REDUCTIONS, SumOperator, operator_output_grad
 from .session import session
 
 FORMULATIONS = ("unified", "hidden")
-# Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype.
-# Real mismatches (a variant the adapter does not know) are O(1e-2) or more; HF runs some scans in float32 even
-# for float64 models, hence the float64 bound.
-TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 5e-2}
+# Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
+# what the library guarantees for y = H x (README, docs/robustness.md). Real mismatches (a variant the adapter does
+# not know) are O(1e-2) or more; HF runs some scans in float32 even for float64 models, hence the float64 bound.
+# Half precision: about ten units of the dtype's rounding (2^-11 float16, 2^-8 bfloat16), since the real output
+# itself is rounded to it at every step; measured worst over every family's tiny models: 1.0e-3 (float16),
+# 1.2e-2 (bfloat16) (tests/test_robustness.py).
+TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 class ReconstructionError(RuntimeError):

@@ -433,3 +433,59 @@ def test_zamba2_keys_sort_in_execution_order_and_stay_strings():
     assert 0 < key < 1 and key > 0 and key <= 1 and not key < 0
     assert pickle.loads(pickle.dumps(key)) == key and copy.deepcopy(key).layer == 1
     assert max(maps) == 2 and min(maps) == 0
+
+
+# -- half precision: the identity error the library guarantees ------------------------------------------------------
+HALF_GUARANTEE = {torch.float16: 5e-3, torch.bfloat16: 3e-2}  # README "Exact", docs/robustness.md
+
+
+def test_the_half_precision_guarantee_is_the_engines_check():
+    from mamba_captum.attention import TOLERANCE
+
+    assert all(TOLERANCE[dtype] == bound for dtype, bound in HALF_GUARANTEE.items())
+
+
+@pytest.mark.parametrize("dtype", list(HALF_GUARANTEE), ids=str)
+@pytest.mark.parametrize("family", ["mamba", "jamba", "mamba2", "zamba2", "falcon_h1"])
+def test_half_precision_maps_reproduce_the_real_layer_within_the_guarantee(family, dtype):
+    from test_identities import record_conv_inputs_and_out_proj_inputs, ssm_mixers, zero_bias_and_skip
+
+    model = zero_bias_and_skip(liven(make_model(family, dtype=dtype)))
+    ids, mask = padded_batch(16, pads=3)
+    records, handles = record_conv_inputs_and_out_proj_inputs(model)  # the test's own hooks
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    maps = mc.implicit_attention(model, ids, mask, reduce=None)
+    layers = [i for i, layer in enumerate(mc.families.decoder_layers(model))
+              if any(type(m).__name__ in mc.SUPPORTED_MIXERS for m in layer.modules())]
+    for mixer, layer in zip(ssm_mixers(model), layers):
+        H = maps[layer]
+        if family == "falcon_h1":  # the layer map is 0.7 × its Mamba-2 channels ∥ 0.6 × attention heads
+            H = H[:, :mixer.intermediate_size] / 0.7
+        assert H.dtype == torch.float32 and torch.isfinite(H).all()
+        x = records[mixer]["x"].transpose(1, 2).double()  # (B, C, L), the real half-precision conv input
+        expected = records[mixer]["out_in"].transpose(1, 2).double()
+        got = torch.einsum("bcis,bcs->bci", H.double(), x)
+        error = (got - expected).abs().max() / expected.abs().max()
+        assert error <= HALF_GUARANTEE[dtype], (family, layer, float(error))
+        assert expected.abs().max() > 1e-2  # not vacuous
+
+
+# -- adapters that wrap the projections (PEFT's LoRA, unmerged) -------------------------------------------------------
+@pytest.mark.parametrize("family,targets", [
+    ("jamba", ["in_proj", "x_proj", "out_proj", "q_proj", "v_proj"]), ("bamba", ["in_proj", "out_proj"]),
+    ("rwkv", ["key", "receptance"]), ("recurrent_gemma", ["linear_x", "linear_y", "linear_out"])])
+def test_unmerged_lora_layers_give_the_merged_models_numbers(family, targets):
+    # The rebuild runs each wrapped projection's own forward and differentiates out_proj's real function; reading
+    # `.weight` (the base weight alone) gave silently wrong gradients for out_proj / linear_out and refused RWKV.
+    from peft import LoraConfig, get_peft_model
+
+    ids = torch.randint(3, VOCAB, (2, 7))
+    lora = get_peft_model(make_model(family), LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
+    got = mc.MambaAttribution(lora).attribute(ids, target=5)
+    maps = mc.implicit_attention(lora, ids)
+    merged = lora.merge_and_unload()  # frozen, as PEFT returns it
+    assert torch.allclose(got, mc.MambaAttribution(merged).attribute(ids, target=5), rtol=1e-5, atol=1e-6)
+    assert maps_equal(maps, mc.implicit_attention(merged, ids))

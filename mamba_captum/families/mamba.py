@@ -57,7 +57,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
             dt_low = run(mixer.dt_layernorm, dt_low)
 
     w = lambda t: t.to(work_dtype)
-    dt = w(F.linear(dt_low, mixer.dt_proj.weight))
+    dt = w(F.linear(dt_low, mixer.dt_proj.weight))  # HF too: dt_proj.weight @ dt, the bias inside the scan
     if norm_dt_after_projection:
         norm = mixer.dt_layernorm
         dt = dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + norm.eps) * w(norm.weight)

@@ -48,10 +48,9 @@ def token_shifted(mixer, hidden):
     """k, v (model dtype) and r = σ(receptance) as RwkvSelfAttention.extract_key_value computes them, no state."""
     shifted = F.pad(hidden, (0, 0, 1, -1))  # = mixer.time_shift(hidden): h_{t−1}, zero at t = 0
     mix = lambda mu: hidden * mu + shifted * (1 - mu)  # noqa: E731
-    key = F.linear(mix(mixer.time_mix_key), mixer.key.weight, mixer.key.bias)
-    value = F.linear(mix(mixer.time_mix_value), mixer.value.weight, mixer.value.bias)
-    receptance = torch.sigmoid(F.linear(mix(mixer.time_mix_receptance), mixer.receptance.weight,
-                                        mixer.receptance.bias))
+    key = run(mixer.key, mix(mixer.time_mix_key))
+    value = run(mixer.value, mix(mixer.time_mix_value))
+    receptance = torch.sigmoid(run(mixer.receptance, mix(mixer.time_mix_receptance)))
     return key, value, receptance
 
 

@@ -18,6 +18,10 @@ def run(module, *args):
     return module.forward(*args) if isinstance(module, nn.Module) else module(*args)
 
 
+def _plain_linear(module) -> bool:
+    return type(module).forward is nn.Linear.forward
+
+
 def linear_readout(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The output projection as a float64 function (for the vector-Jacobian products of gradient methods).
 
@@ -25,7 +29,7 @@ def linear_readout(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     quantized linear) through its own forward in its own dtype, so that its real function is what is
     differentiated, not just its base weight.
     """
-    if type(module).forward is nn.Linear.forward:
+    if _plain_linear(module):
         weight = module.weight.to(torch.float64)
         bias = None if module.bias is None else module.bias.to(torch.float64)
         return lambda y: F.linear(y, weight, bias)
