@@ -97,7 +97,9 @@ def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dt
         elif layer_input is not None and not bool(torch.isfinite(layer_input).all()):
             cause = "its input already holds NaN or inf (an earlier layer, the embeddings or inputs_embeds)"
         else:
-            cause = f"its weights and input are finite, so it overflowed in {dtype}: run the model in float32"
+            cause = (f"its weights and input are finite, so it overflowed in {dtype}: run the model in float32, or "
+                     "for an attention layer try another attn_implementation (HF's eager attention gives NaN on "
+                     "fully padded rows in float64)")
         raise NonFiniteError(f"mamba_captum: the output of {name} holds NaN or inf ({cause}). Implicit attention "
                              "of non-finite numbers is meaningless.")
     real, rebuilt = real.double(), rebuilt.double()
