@@ -5,8 +5,9 @@
   mamba-captum matrices   save each layer's implicit-attention map of a text as PNG
   mamba-captum evaluate   the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)
 
-Problems with what was asked (a missing directory, an unsupported model, a too-long text, an unknown target) are
-one line on stderr and exit code 2.
+Problems with what was asked (a missing directory, a damaged checkpoint, an unsupported model, an unusable device,
+an empty or too-long text, an unknown target; docs/cli.md lists them) are one line on stderr and exit code 2, with no
+traceback; Ctrl-C is one line and exit code 130.
 """
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import json
 import sys
 from pathlib import Path
 
+from .attention import ReconstructionError
+from .checks import NonFiniteError
 from .explain import DTYPES, METHODS, UsageError
+
+# The largest side of a `matrices` PNG: 4096² RGB pixels are 48 MiB in memory and seconds to encode; a bigger map
+# shows no more (one entry per token) and would need gigabytes (a 5-token text at --scale 100000 asks for 750 GB).
+MAX_MAP_PIXELS = 4096
 
 COMMANDS = {"demo": "explain the bundled demo model's test sentences and write an HTML report",
             "explain": "explain texts or a JSONL dataset with a local HF checkpoint directory",
@@ -67,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
             _common(sub)
             sub.add_argument("--text", required=True)
             sub.add_argument("--out-dir", type=Path, default=Path("matrices"))
-            sub.add_argument("--scale", type=int, default=8, help="pixels per map entry (default 8)")
+            sub.add_argument("--scale", type=int, default=8,
+                             help=f"pixels per map entry (default 8; a map is at most {MAX_MAP_PIXELS} pixels a side)")
     return parser
 
 
@@ -80,13 +88,17 @@ def _print_summary(explanations, file=sys.stdout):
 
 
 def _writable_file(path: Path) -> Path:
-    """Check an output file can be written before any model work (the parent is created)."""
+    """Check an output file can be written before any model work (the parent is created; a file this check creates
+    is removed again, so a run refused later leaves no empty output behind)."""
     try:
         if path.is_dir():
             raise UsageError(f"{str(path)!r} is a directory; give a file name.")
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
         with path.open("a", encoding="utf-8"):
             pass
+        if not existed:
+            path.unlink()
     except OSError as error:
         raise UsageError(f"cannot write {str(path)!r}: {error.strerror or error}.") from None
     return path
@@ -112,10 +124,12 @@ def _write_report(explanations, out: Path, title: str):
 
 def _read_dataset(path: Path) -> list[tuple[int, dict]]:
     """(line number, row) for each non-empty line; every row checked before any model work."""
-    if not path.is_file():
+    if path.is_dir():
+        raise UsageError(f"dataset {str(path)!r} is a directory; give a JSONL file.")
+    if not path.exists():  # a pipe (--dataset <(...)) exists without being a regular file, and reads as one
         raise UsageError(f"dataset {str(path)!r} does not exist.")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as error:
         raise UsageError(f"dataset {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
     rows = []
@@ -135,6 +149,18 @@ def _read_dataset(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
+def _distinct_files(named: dict) -> None:
+    """Refuse two options naming one file: an output would overwrite the dataset being read, or the other output."""
+    seen = {}
+    for option, path in named.items():
+        if path is None:
+            continue
+        key = path.resolve()
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {option} both name {str(path)!r}; give them different files.")
+        seen[key] = option
+
+
 def _demo(args):
     from .demo import DEMO_TEXTS, model_dir
     from .explain import explain, load
@@ -151,7 +177,10 @@ def _demo(args):
 def _explain(args):
     from .explain import encode_text, explain, label_words, load, resolve_target
 
+    # read before anything is written: --jsonl naming the dataset would otherwise empty it
+    rows = _read_dataset(args.dataset) if args.dataset else None
     jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
+    _distinct_files({"--dataset": args.dataset, "--jsonl": jsonl, "--out": args.out})
     for path in (jsonl, args.out):
         if path is not None:
             _writable_file(path)
@@ -159,37 +188,31 @@ def _explain(args):
     methods = args.method or list(METHODS)
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
                    layer_maps=args.out is not None)
-    handle = jsonl.open("w", encoding="utf-8") if jsonl is not None else None
-    explanations = []
-    try:
-        if args.text:
-            explanations = explain(model, tokenizer, args.text, target=args.target, **options)
-            _print_summary(explanations)
-            if handle is not None:
-                for item in explanations:
-                    handle.write(json.dumps(item.to_dict()) + "\n")
-        else:
-            from tqdm.auto import tqdm
+    if args.text:
+        explanations = explain(model, tokenizer, args.text, target=args.target, **options)
+        _print_summary(explanations)
+        if jsonl is not None:
+            jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+    else:
+        from tqdm.auto import tqdm
 
-            # a row's "target": null means --target
-            jobs = [(number, row["text"], row["target"] if row.get("target") is not None else args.target)
-                    for number, row in _read_dataset(args.dataset)]
-            words = label_words(model, args.labels)
-            for number, text, target in jobs:  # every row's target and length, before hours of work
-                try:
-                    resolve_target(model, tokenizer, target, words)
-                    encode_text(model, tokenizer, text)
-                except UsageError as error:
-                    raise UsageError(f"{args.dataset}:{number}: {error}") from None
+        # a row's "target": null means --target
+        jobs = [(number, row["text"], row["target"] if row.get("target") is not None else args.target)
+                for number, row in rows]
+        words = label_words(model, args.labels)
+        for number, text, target in jobs:  # every row's target and length, before hours of work
+            try:
+                resolve_target(model, tokenizer, target, words)
+                encode_text(model, tokenizer, text)
+            except UsageError as error:
+                raise UsageError(f"{args.dataset}:{number}: {error}") from None
+        explanations = []
+        with jsonl.open("w", encoding="utf-8") as handle:
             for number, text, target in tqdm(jobs, desc="explaining", unit="text"):
                 (item,) = explain(model, tokenizer, text, target=target, **options)
                 explanations.append(item)
-                if handle is not None:  # written as it goes: an interrupted run keeps what it did
-                    handle.write(json.dumps(item.to_dict()) + "\n")
-                    handle.flush()
-    finally:
-        if handle is not None:
-            handle.close()
+                handle.write(json.dumps(item.to_dict()) + "\n")  # as it goes: an interrupted run keeps what it did
+                handle.flush()
     if jsonl is not None:
         print(f"results: {jsonl} ({len(explanations)} lines)")
     if args.out is not None:
@@ -197,13 +220,23 @@ def _explain(args):
 
 
 def _matrices(args):
-    from .explain import explain, load
+    from .explain import encode_text, explain, load
     from .html_report import map_png
 
     if args.scale < 1:
         raise UsageError(f"--scale must be at least 1, not {args.scale}.")
+    if args.scale > MAX_MAP_PIXELS:  # even a one-token text would exceed the largest map
+        raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
+                         "(tokens × scale); use a smaller --scale.")
     _writable_dir(args.out_dir)
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    length = encode_text(model, tokenizer, args.text).shape[1]
+    if length * args.scale > MAX_MAP_PIXELS:
+        fitting = MAX_MAP_PIXELS // length
+        advice = (f"use --scale {fitting} or less" if fitting else
+                  f"the text is too long for a map even at --scale 1; give at most {MAX_MAP_PIXELS} tokens")
+        raise UsageError(f"{length} tokens at --scale {args.scale} make maps {length * args.scale} pixels a side; "
+                         f"the most is {MAX_MAP_PIXELS}: {advice}.")
     (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
     for layer, matrix in item.layer_maps.items():
         # Zamba2's shared attention block has the key "{i}.shared_attention"
@@ -237,9 +270,15 @@ def main(argv=None) -> int:
     except UsageError as error:
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except (NonFiniteError, ReconstructionError) as error:  # the checkpoint's numbers, or a variant not supported
+        print(f"mamba-captum {args.command}: error: {str(error).removeprefix('mamba_captum: ')}", file=sys.stderr)
+        return 2
     except OSError as error:  # a file that vanished or filled the disk mid-run: still one line
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the JSONL keeps the rows written so far
+        print(f"mamba-captum {args.command}: interrupted.", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import pickle
+import re
 from pathlib import Path
 
 import torch
 
 from .attention import implicit_attention
 from .attr import MambaAttribution, MambaRawAttention, MambaRollout
-from .families import SUPPORTED_MIXERS
+from .families import SUPPORTED_MIXERS, decoder_layers
+from .session import session
 
 METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution}
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,12 +100,86 @@ def check_supported(model) -> None:
 
 
 def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()] or [type(error).__name__]
+    if lines[0].endswith(":") and len(lines) > 1:  # "Validation error for field 'x':" says nothing alone
+        return f"{lines[0]} {lines[1]}"
+    return lines[0]
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a torch device that can hold this run's tensors, else :class:`UsageError` (before any loading,
+    so a typo costs no model load)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"device {device!r} is not available: it is not a torch device name; choose cpu, cuda or "
+                         "cuda:N.") from None
+    if parsed.type == "meta":  # meta tensors have shapes but no values: nothing to explain
+        raise UsageError(f"device {device!r} holds no data (only tensor shapes), so nothing can be computed on it; "
+                         "choose cpu, cuda or cuda:N.")
+    if parsed.type == "cuda" and torch.cuda.is_available() and (parsed.index or 0) >= torch.cuda.device_count():
+        raise UsageError(f"device {device!r} is not available: this machine has {torch.cuda.device_count()} CUDA "
+                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+    try:
+        torch.empty(1, device=parsed)
+    except Exception as error:  # AssertionError (no CUDA build), NotImplementedError (no backend), ModuleNotFoundError
+        reason = _first_line(error).split(". ")[0]
+        raise UsageError(f"device {device!r} is not available on this machine ({reason}); choose cpu or an "
+                         "available cuda:N.") from None
+    return parsed
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The weight files ``from_pretrained`` reads from a checkpoint directory (safetensors first, as HF does)."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / single).is_file():
+            return [path / single]
+        if (path / index).is_file():
+            try:
+                shards = json.loads((path / index).read_text(encoding="utf-8"))["weight_map"].values()
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
+                raise UsageError(f"the weights index {str(path / index)!r} is not a valid index file (JSON with a "
+                                 "\"weight_map\"); re-save the checkpoint with save_pretrained.") from None
+            return [path / shard for shard in sorted(set(map(str, shards)))]
+    return []
+
+
+def _corrupt(files, detail: str) -> UsageError:
+    if len(files) == 1:
+        named, them = f"file {str(files[0])!r} is", "it"
+    else:  # a .bin shard torch.load could not read, among several
+        named, them = f"files {', '.join(repr(str(f)) for f in files)} are", "them"
+    return UsageError(f"the weights {named} corrupt or truncated ({detail}); re-save {them} with save_pretrained or "
+                      f"download {them} again.")
+
+
+def _check_weight_files(path: Path) -> None:
+    """Refuse a corrupt or truncated safetensors file by name: its header must describe exactly the file's bytes,
+    which a cut-off copy or a file of other bytes does not (reading the header is cheap; the tensors stay on disk)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in _weight_files(path):
+        if file.suffix != ".safetensors" or not file.is_file():
+            continue  # a missing shard: from_pretrained names it
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError as error:
+            raise _corrupt([file], _first_line(error)) from None
+
+
+def _check_vocabulary(tokenizer, path: Path) -> None:
+    if not set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens):
+        # transformers builds an empty tokenizer when the files are missing: every text would read as nothing
+        raise UsageError(f"the tokenizer in {str(path)!r} has no vocabulary (its tokenizer.json / vocabulary files "
+                         "are missing); save it there with tokenizer.save_pretrained(DIR).")
 
 
 def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
     """A local HF checkpoint directory -> (model in eval mode, tokenizer), offline. Errors are :class:`UsageError`."""
     import transformers as tf
+    from safetensors import SafetensorError
 
     path = Path(model_dir)
     if not path.is_dir():
@@ -110,24 +188,47 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
         raise UsageError(f"{str(path)!r} holds no config.json: it is not a HF checkpoint directory.")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
+    check_device(device)
     try:
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as error:  # malformed JSON, an unknown model_type
+    except Exception as error:  # only the file is read here: malformed JSON, an unknown model_type, a wrong field
         raise UsageError(f"the config.json in {str(path)!r} cannot be read: {_first_line(error)}") from None
+    _check_weight_files(path)
     try:
         auto = tf.AutoModelForSequenceClassification if any(
             a.endswith("ForSequenceClassification") for a in (config.architectures or [])) else tf.AutoModelForCausalLM
-        model = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype])
+        # mismatched shapes are reported below, by name, rather than raised with the details only in HF's log
+        model, loading = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
+                                              output_loading_info=True, ignore_mismatched_sizes=True)
     except ValueError as error:  # transformers' "Unrecognized configuration class ..."
         raise UsageError(f"model type {config.model_type!r} cannot be loaded as a causal LM or sequence "
                          f"classifier: {_first_line(error)}") from None
     except OSError as error:  # no weights file
         raise UsageError(f"the weights in {str(path)!r} cannot be loaded: {_first_line(error)}") from None
+    except (SafetensorError, pickle.UnpicklingError, EOFError) as error:
+        raise _corrupt(_weight_files(path) or [path], _first_line(error).split(". ")[0]) from None
+    except RuntimeError as error:
+        if "PytorchStreamReader" in str(error):  # torch.load of a cut-off .bin (a zip archive)
+            raise _corrupt(_weight_files(path) or [path], _first_line(error).split(". ")[0]) from None
+        raise UsageError(f"the model in {str(path)!r} cannot be built from its config.json and weights: "
+                         f"{_first_line(error).split('. ')[0]}; re-save it with save_pretrained or download it "
+                         "again.") from None
+    missing, mismatched = sorted(loading["missing_keys"]), sorted(loading["mismatched_keys"])
+    if missing:  # transformers would fill them with random values: explanations of a model nobody trained
+        raise UsageError(f"the weights in {str(path)!r} lack {len(missing)} tensor(s) the model needs "
+                         f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): the checkpoint is "
+                         "incomplete or for another architecture; re-save it with save_pretrained.")
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        raise UsageError(f"the weights in {str(path)!r} do not fit its config.json: {name} is stored as "
+                         f"{list(stored)} but the config makes it {list(expected)} ({len(mismatched)} tensor(s) "
+                         "differ); use the config.json the weights were saved with.")
     check_supported(model)
     try:
         tokenizer = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
         raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {_first_line(error)}") from None
+    _check_vocabulary(tokenizer, path)
     try:
         model = model.to(device)
     except (RuntimeError, AssertionError) as error:
@@ -138,7 +239,15 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
 def label_words(model, labels=None) -> list[str] | None:
     """The candidate answers: ``labels`` if given, else a causal LM's ``config.label_words`` (the bundled demo model
     sets it), else a classifier's ``id2label``; None means the whole vocabulary."""
+    if isinstance(labels, str):  # labels="positive" would be read letter by letter
+        labels = [labels]
     if labels:
+        labels = list(labels)
+        if not all(isinstance(word, str) for word in labels):
+            raise UsageError(f"the labels {labels} must all be strings (label words / tokens).")
+        repeated = sorted({word for word in labels if labels.count(word) > 1})
+        if repeated:  # a repeated label would be both a candidate and its own rival
+            raise UsageError(f"the labels {labels} repeat {', '.join(map(repr, repeated))}; give each label once.")
         if is_classifier(model) and len(labels) != model.config.num_labels:
             raise UsageError(f"{len(labels)} labels given for a classifier with {model.config.num_labels} classes; "
                              "give one name per class, in class order (or none: its id2label is used).")
@@ -162,23 +271,30 @@ def _candidates(model, tokenizer, words):
         return list(range(model.config.num_labels))
     if tokenizer is None:
         raise UsageError(f"the label words {words} need the model's tokenizer; pass tokenizer=.")
-    ids = [_token_id(tokenizer, word, model.config.vocab_size) for word in words]
+    ids = [_token_id(tokenizer, word, model.config.vocab_size, what="label word") for word in words]
     if len(set(ids)) != len(ids):
         raise UsageError(f"the label words {words} map to repeated token ids {ids}; give distinct tokens.")
     return ids
 
 
-def _token_id(tokenizer, word: str, vocab_size: int) -> int:
+def _token_id(tokenizer, word: str, vocab_size: int, what: str = "target") -> int:
+    """The id of the single vocabulary token ``word`` (its spelling, or the one token it tokenizes to)."""
     token = tokenizer.convert_tokens_to_ids(word)
     if token is None or token == tokenizer.unk_token_id and word != tokenizer.unk_token:
         pieces = tokenizer.encode(word, add_special_tokens=False)
         if len(pieces) != 1:
-            raise UsageError(f"target {word!r} is not one token of the vocabulary (it tokenizes to {len(pieces)} "
+            raise UsageError(f"{what} {word!r} is not one token of the vocabulary (it tokenizes to {len(pieces)} "
                              "tokens); pass a single token or its id.")
+        if pieces[0] == tokenizer.unk_token_id:  # a word-level / SentencePiece vocabulary's stand-in for anything
+            raise UsageError(f"{what} {word!r} is not in the tokenizer's vocabulary (it reads as the unknown token "
+                             f"{tokenizer.unk_token!r}); pass a token of the vocabulary or its id.")
         token = pieces[0]
     if not 0 <= token < vocab_size:
-        raise UsageError(f"target id {token} is outside the vocabulary (0..{vocab_size - 1}).")
+        raise UsageError(f"{what} id {token} is outside the vocabulary (0..{vocab_size - 1}).")
     return int(token)
+
+
+_INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only: str.isdigit() also passes "²", which int() refuses
 
 
 def resolve_target(model, tokenizer, target, words, candidates=None) -> int | None:
@@ -195,7 +311,7 @@ def resolve_target(model, tokenizer, target, words, candidates=None) -> int | No
         candidates = _candidates(model, tokenizer, words)
     if isinstance(target, str) and target in names:
         return candidates[names.index(target)]
-    if isinstance(target, str) and not target.lstrip("-").isdigit():
+    if isinstance(target, str) and not _INTEGER.fullmatch(target):
         if is_classifier(model):
             raise UsageError(f"target {target!r} is not a label of this model; its labels are {names}.")
         if words is not None:
@@ -218,6 +334,8 @@ def encode_text(model, tokenizer, text: str) -> torch.Tensor:
     """``text`` -> (1, L) ids, refusing an empty result or more tokens than the model allows (:class:`UsageError`)."""
     if not isinstance(text, str):
         raise UsageError(f"a text must be a string, not a {type(text).__name__}.")
+    if not text.strip():  # it would "explain" the special tokens the tokenizer adds, and nothing else
+        raise UsageError(f"the text {text!r} is empty or only whitespace; give a text to explain.")
     input_ids = tokenizer(text, return_tensors="pt")["input_ids"]
     limit = _max_length(model, tokenizer)
     if limit is not None and input_ids.shape[1] > limit:
@@ -225,6 +343,14 @@ def encode_text(model, tokenizer, text: str) -> torch.Tensor:
                          f"{text[:40]!r}...")
     if input_ids.shape[1] == 0:
         raise UsageError(f"the text {text[:40]!r} is empty after tokenization.")
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):  # no embedding table to read: the config's size
+        rows = model.config.vocab_size
+    if int(input_ids.max()) >= rows:  # the embedding lookup would fail with an index error deep in the model
+        top = int(input_ids.max())
+        raise UsageError(f"the text has token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}), outside the "
+                         f"model's {rows}-token vocabulary: the tokenizer does not belong to this model.")
     return input_ids
 
 
@@ -271,22 +397,25 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
     inputs = [ids if ids.dim() == 2 else ids[None] for ids in inputs]
     if any(ids.shape[1] == 0 for ids in inputs):
         raise UsageError("an input has no tokens (an empty id tensor or an all-zero attention_mask row).")
+    methods = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods))  # each method once
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}; choose among {', '.join(METHODS)}.")
     if formulation not in ("unified", "hidden"):
         raise UsageError(f"unknown formulation {formulation!r}; choose unified or hidden.")
     check_supported(model)
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        raise UsageError("the model is on the meta device, which holds no weights; move it to cpu or cuda first.")
     words = label_words(model, labels)
     candidates = _candidates(model, tokenizer, words)
     wanted = resolve_target(model, tokenizer, target, words, candidates)
-    device = next(model.parameters()).device
     results = []
     for number, input_ids in enumerate(inputs):
         input_ids = input_ids.to(device)
         attention_mask = torch.ones_like(input_ids)
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with torch.no_grad(), session(model, decoder_layers(model)):  # as the library's own forwards: RWKV's
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # rescaling undone after it
         scores = (logits[0] if is_classifier(model) else logits[0, -1]).float()
         if candidates is not None:
             probabilities = torch.zeros_like(scores)

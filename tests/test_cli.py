@@ -30,6 +30,27 @@ def run_cli(*args, cwd=None):
     return done.returncode, done.stdout, done.stderr
 
 
+def run_main(capsys, *args):
+    """The command in this process (no interpreter start-up per case): (exit code, stdout, stderr). An exception
+    escaping ``main`` (a traceback for a user) fails the calling test."""
+    progress_bars = tf.utils.logging.is_progress_bar_enabled()
+    try:
+        code = cli.main([str(a) for a in args])
+    finally:
+        if progress_bars:  # main turns HF's progress bars off for the rest of the process
+            tf.utils.logging.enable_progress_bar()
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    """The single error line of stderr (argparse's usage lines aside)."""
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("usage:")
+             and not line.startswith(" ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
 def read_png(data: bytes) -> torch.Tensor:
     """A minimal decoder for the files png_bytes writes (8-bit RGB, filter 0): (H, W, 3) uint8."""
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -187,7 +208,7 @@ def test_demo_command_prints_top_tokens_and_writes_the_report(tmp_path):
     assert "[SENTIMENT]" in page and "Traceback" not in err
 
 
-def test_explain_command_text_and_dataset(tmp_path):
+def test_explain_command_text_and_dataset(tmp_path, capsys):
     code, out, err = run_cli("explain", "--model", DEMO, "--text", "the plot was not good", "--target", "positive",
                              "--method", "attribution", "--jsonl", str(tmp_path / "one.jsonl"))
     assert code == 0, err
@@ -198,7 +219,7 @@ def test_explain_command_text_and_dataset(tmp_path):
     dataset = tmp_path / "texts.jsonl"
     dataset.write_text("\n".join(json.dumps({"text": s.text}) for s in grammar.sentences(3, seed=1)) + "\n"
                        + json.dumps({"text": "the cast was great", "target": "negative"}) + "\n")
-    code, out, err = run_cli("explain", "--model", DEMO, "--dataset", str(dataset), "--out", str(tmp_path / "r.html"))
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset, "--out", tmp_path / "r.html")
     assert code == 0, err
     rows = [json.loads(line) for line in (tmp_path / "texts.explained.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and rows[-1]["target"] == "negative" and rows[-1]["prediction"] == "positive"
@@ -206,15 +227,15 @@ def test_explain_command_text_and_dataset(tmp_path):
     assert (tmp_path / "r.html").read_text().count("<section class='example'>") == 4
 
 
-def test_dataset_rows_are_checked_before_any_work_and_null_targets_fall_back(tmp_path):
+def test_dataset_rows_are_checked_before_any_work_and_null_targets_fall_back(tmp_path, capsys):
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text('{"text": "the plot was good"}\n\n{"text": "the cast", "target": "wonderful"}\n')
-    code, out, err = run_cli("explain", "--model", DEMO, "--dataset", str(dataset))
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset)
     assert code == 2 and f"{dataset}:3: target 'wonderful' is not one of the model's label words" in err
-    assert "explaining" not in err and not (tmp_path / "rows.explained.jsonl").read_text()
+    assert "explaining" not in err and not (tmp_path / "rows.explained.jsonl").exists()  # a refused run writes nothing
     dataset.write_text('{"text": "the plot was good", "target": null}\n')
-    code, out, err = run_cli("explain", "--model", DEMO, "--dataset", str(dataset), "--target", "negative",
-                             "--method", "raw")
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset, "--target", "negative",
+                              "--method", "raw")
     assert code == 0, err
     (row,) = [json.loads(line) for line in (tmp_path / "rows.explained.jsonl").read_text().splitlines()]
     assert row["target"] == "negative"
@@ -233,11 +254,15 @@ def test_target_forms(demo):
     for bad in (True, 1.5, [1]):
         with pytest.raises(UsageError, match="must be a label word / token or an integer id"):
             resolve_target(model, tokenizer, bad, words)
+    # strings str.isdigit() passes but int() refuses are words, not ids (they used to raise ValueError: a traceback)
+    for word in ("²", "--5"):
+        with pytest.raises(UsageError, match=f"target {word!r} is not one of the model's label words"):
+            resolve_target(model, tokenizer, word, words)
 
 
-def test_matrices_command_writes_one_png_per_layer(tmp_path):
-    code, out, err = run_cli("matrices", "--model", DEMO, "--text", "the plot was good", "--out-dir",
-                             str(tmp_path / "maps"), "--scale", "2")
+def test_matrices_command_writes_one_png_per_layer(tmp_path, capsys):
+    code, out, err = run_main(capsys, "matrices", "--model", DEMO, "--text", "the plot was good", "--out-dir",
+                              tmp_path / "maps", "--scale", "2")
     assert code == 0, err
     pngs = sorted((tmp_path / "maps").glob("*.png"))
     assert [p.name for p in pngs] == ["layer_00.png", "layer_01.png"]
@@ -253,6 +278,50 @@ def gpt2_dir(tmp_path_factory):
     tf.GPT2LMHeadModel(config).save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory):
+    """Copies of the demo checkpoint, each broken in one way a user's download or save can be: name -> folder."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("broken")
+    weights = (model_dir() / "model.safetensors").read_bytes()
+    config = json.loads((model_dir() / "config.json").read_text())
+    tensors = load_file(model_dir() / "model.safetensors")
+
+    def copy(name, config_changes=None, drop=()):
+        folder = root / name
+        folder.mkdir()
+        for file in model_dir().iterdir():
+            if file.name not in drop:
+                (folder / file.name).write_bytes(file.read_bytes())
+        if config_changes is not None:
+            (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
+        return folder
+
+    copy("truncated").joinpath("model.safetensors").write_bytes(weights[:len(weights) // 2])
+    copy("garbage").joinpath("model.safetensors").write_bytes(bytes(range(256)) * 8)
+    torch.save(tensors, copy("cut_bin", drop={"model.safetensors"}) / "pytorch_model.bin")
+    bin_file = root / "cut_bin" / "pytorch_model.bin"
+    bin_file.write_bytes(bin_file.read_bytes()[:len(bin_file.read_bytes()) // 2])
+    save_file({k: v for k, v in tensors.items() if k != "backbone.layers.0.mixer.A_log"},
+              copy("missing_tensor") / "model.safetensors", metadata={"format": "pt"})
+    copy("other_shapes", {"state_size": 16})
+    copy("no_tokenizer", drop={"tokenizer.json", "tokenizer_config.json"})
+    copy("wrong_field_type", {"hidden_size": "big"})
+    copy("no_label_words", {"label_words": None})
+    nan = dict(tensors)
+    nan["backbone.layers.1.mixer.out_proj.weight"] = nan["backbone.layers.1.mixer.out_proj.weight"].clone()
+    nan["backbone.layers.1.mixer.out_proj.weight"][0, :2] = float("nan")
+    save_file(nan, copy("nan_weights") / "model.safetensors", metadata={"format": "pt"})
+    weightless = root / "weightless"
+    weightless.mkdir()
+    (weightless / "config.json").write_text(json.dumps(config))
+    badconfig = root / "badconfig"
+    badconfig.mkdir()
+    (badconfig / "config.json").write_text('{"model_type": "no_such_model"')
+    return {folder.name: folder for folder in root.iterdir()}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -273,21 +342,170 @@ def gpt2_dir(tmp_path_factory):
     (["matrices", "--model", DEMO, "--text", "x", "--out-dir", "/proc/no"], "cannot write into '/proc/no'"),
     (["explain", "--model", "{weightless}", "--text", "x"], "the weights in"),
     (["explain", "--model", "{badconfig}", "--text", "x"], "the config.json in"),
+    # a damaged weights file is named, with the fix
+    (["explain", "--model", "{truncated}", "--text", "x"],
+     "the weights file '{truncated}/model.safetensors' is corrupt or truncated (Error while deserializing header"),
+    (["explain", "--model", "{garbage}", "--text", "x"], "'{garbage}/model.safetensors' is corrupt or truncated"),
+    (["matrices", "--model", "{truncated}", "--text", "x", "--out-dir", "{tmp}/maps"],
+     "re-save it with save_pretrained or download it again"),
+    (["explain", "--model", "{cut_bin}", "--text", "x"],
+     "'{cut_bin}/pytorch_model.bin' is corrupt or truncated (PytorchStreamReader failed"),
+    # weights transformers would silently fill with random values or refuse only in its log
+    (["explain", "--model", "{missing_tensor}", "--text", "x"],
+     "lack 1 tensor(s) the model needs (backbone.layers.0.mixer.A_log)"),
+    (["explain", "--model", "{other_shapes}", "--text", "x"],
+     "do not fit its config.json: backbone.layers.0.mixer.A_log is stored as [128, 8] but the config makes it "
+     "[128, 16]"),
+    (["explain", "--model", "{no_tokenizer}", "--text", "x"], "the tokenizer in '{no_tokenizer}' has no vocabulary"),
+    (["explain", "--model", "{wrong_field_type}", "--text", "x"],
+     "the config.json in '{wrong_field_type}' cannot be read: Validation error for field 'hidden_size': TypeError"),
+    # a checkpoint whose numbers are not finite: named, not explained as NaN
+    (["explain", "--model", "{nan_weights}", "--text", "the plot"],
+     "contain NaN or inf. The model has non-finite weights: backbone.layers.1.mixer.out_proj.weight (2 non-finite "
+     "values); reload or repair them."),
+    # devices that hold no data, do not exist here, or are no device at all
+    (["explain", "--model", DEMO, "--text", "x", "--device", "meta"], "device 'meta' holds no data"),
+    (["demo", "--out", "{tmp}/d.html", "--device", "meta"], "device 'meta' holds no data"),
+    (["explain", "--model", DEMO, "--text", "x", "--device", "cuda:99"], "device 'cuda:99' is not available"),
+    (["explain", "--model", DEMO, "--text", "x", "--device", ""], "device '' is not available"),
+    # matrices of absurd size
+    (["matrices", "--model", DEMO, "--text", "x", "--scale", "100000", "--out-dir", "{tmp}/maps"],
+     "--scale 100000 is too large: a map is at most 4096 pixels a side"),
+    (["matrices", "--model", DEMO, "--text", "the plot was good", "--scale", "1000", "--out-dir", "{tmp}/maps"],
+     "5 tokens at --scale 1000 make maps 5000 pixels a side; the most is 4096: use --scale 819 or less"),
+    (["matrices", "--model", DEMO, "--text", "x", "--scale", "0", "--out-dir", "{tmp}/maps"],
+     "--scale must be at least 1, not 0"),
+    # words the vocabulary does not hold read as its unknown token: refused, not explained as [UNK]
+    (["explain", "--model", "{no_label_words}", "--text", "the plot", "--target", "zebra"],
+     "target 'zebra' is not in the tokenizer's vocabulary (it reads as the unknown token '[UNK]')"),
+    (["explain", "--model", DEMO, "--text", "the plot", "--labels", "zebra", "good"],
+     "label word 'zebra' is not in the tokenizer's vocabulary"),
+    (["explain", "--model", DEMO, "--text", "the plot", "--target", "zebra", "--labels", "good", "zebra"],
+     "label word 'zebra' is not in the tokenizer's vocabulary"),
+    (["explain", "--model", DEMO, "--text", "the plot", "--labels", "good", "bad", "good"],
+     "the labels ['good', 'bad', 'good'] repeat 'good'; give each label once"),
+    # texts with nothing to explain
+    (["explain", "--model", DEMO, "--text", ""], "the text '' is empty or only whitespace"),
+    (["explain", "--model", DEMO, "--text", "the plot", "--text", " \t\n"], "the text ' \\t\\n' is empty or only"),
+    (["matrices", "--model", DEMO, "--text", "  ", "--out-dir", "{tmp}/maps"], "is empty or only whitespace"),
+    # a dataset that is a folder; outputs that would overwrite the input or each other
+    (["explain", "--model", DEMO, "--dataset", "{tmp}"], "is a directory; give a JSONL file"),
+    (["explain", "--model", DEMO, "--dataset", "/"], "dataset '/' is a directory"),
+    (["explain", "--model", DEMO, "--dataset", "/dev/null"], "dataset '/dev/null' holds no lines"),
+    (["explain", "--model", DEMO, "--text", "x", "--jsonl", "{tmp}/r.html", "--out", "{tmp}/r.html"],
+     "--jsonl and --out both name '{tmp}/r.html'; give them different files"),
 ])
-def test_bad_input_is_one_line_and_exit_code_2(args, message, gpt2_dir, tmp_path):
-    weightless, badconfig = tmp_path / "weightless", tmp_path / "badconfig"
-    weightless.mkdir()
-    badconfig.mkdir()
-    (weightless / "config.json").write_text((model_dir() / "config.json").read_text())
-    (badconfig / "config.json").write_text('{"model_type": "no_such_model"')
-    places = {"{gpt2}": str(gpt2_dir), "{weightless}": str(weightless), "{badconfig}": str(badconfig)}
-    args = [places.get(a, a) for a in args]
-    code, out, err = run_cli(*args)
+def test_bad_input_is_one_line_and_exit_code_2(args, message, gpt2_dir, broken, tmp_path, capsys):
+    places = {"{gpt2}": str(gpt2_dir), "{tmp}": str(tmp_path), **{f"{{{name}}}": str(path)
+                                                                   for name, path in broken.items()}}
+
+    def place(text):
+        for key, value in places.items():
+            text = text.replace(key, value)
+        return text
+
+    code, out, err = run_main(capsys, *map(place, args))
     assert code == 2
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("usage:")
-             and not line.startswith(" ")]
-    assert len(lines) == 1 and message in lines[0], err
+    assert place(message) in one_error_line(err), err
     assert "Traceback" not in err
+
+
+def test_the_console_command_reports_a_damaged_checkpoint_in_one_line(broken):
+    code, out, err = run_cli("explain", "--model", str(broken["truncated"]), "--text", "the plot")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"mamba-captum explain: error: the weights file '{broken['truncated']}/model.safetensors' is corrupt or "
+        "truncated (Error while deserializing header: incomplete metadata, file not fully covered); re-save it with "
+        "save_pretrained or download it again."]
+
+
+def test_unknown_words_are_refused_by_the_python_api(demo, monkeypatch):
+    from mamba_captum.explain import UsageError, resolve_target
+
+    model, tokenizer = demo
+    with pytest.raises(UsageError, match="label word 'zebra' is not in the tokenizer's vocabulary"):
+        explain(model, tokenizer, "the plot", labels=["zebra", "good"])
+    monkeypatch.setattr(model.config, "label_words", None)  # the whole vocabulary: any token may be the target
+    with pytest.raises(UsageError, match="target 'zebra' is not in the tokenizer's vocabulary"):
+        explain(model, tokenizer, "the plot", target="zebra")
+    # the unknown token itself is a token like any other, and a known word still resolves
+    assert resolve_target(model, tokenizer, "[UNK]", None) == tokenizer.unk_token_id
+    (item,) = explain(model, tokenizer, "the plot", target="[UNK]", methods=("attribution",), layer_maps=False)
+    assert item.target == "[UNK]"
+    assert resolve_target(model, tokenizer, "film", None) == tokenizer.convert_tokens_to_ids("film")
+    with pytest.raises(UsageError, match="the labels \\['a', 'a'\\] repeat 'a'"):
+        explain(model, tokenizer, "the plot", labels=["a", "a"])
+
+
+def test_a_tokenizer_of_another_model_is_refused(demo):
+    from mamba_captum.explain import UsageError
+
+    model, _ = demo
+    bigger = tf.AutoTokenizer.from_pretrained(DEMO)
+    bigger.add_tokens(["zebra"])  # id 74: one past the model's embedding table
+    with pytest.raises(UsageError, match="token id 74 \\('zebra'\\), outside the model's 74-token vocabulary: the "
+                                         "tokenizer does not belong to this model"):
+        explain(model, bigger, "the zebra")
+
+
+def test_a_model_on_the_meta_device_is_refused(demo):
+    import copy
+
+    from mamba_captum.explain import UsageError, check_device
+
+    model, tokenizer = demo
+    with pytest.raises(UsageError, match="the model is on the meta device"):
+        explain(copy.deepcopy(model).to("meta"), tokenizer, "the plot")
+    with pytest.raises(UsageError, match="device 'meta' holds no data"):
+        check_device("meta")
+    assert check_device("cpu") == torch.device("cpu")
+
+
+def test_a_repeated_method_is_computed_once(demo, monkeypatch):
+    from mamba_captum import explain as explain_module
+
+    calls = []
+
+    class CountedRaw(explain_module.METHODS["raw"]):
+        def attribute(self, *args, **kwargs):
+            calls.append(1)
+            return super().attribute(*args, **kwargs)
+
+    monkeypatch.setitem(explain_module.METHODS, "raw", CountedRaw)
+    model, tokenizer = demo
+    (item,) = explain(model, tokenizer, "the plot", methods=("raw", "raw"), layer_maps=False)
+    assert list(item.relevance) == ["raw"] and len(calls) == 1
+
+
+def test_outputs_never_overwrite_the_dataset_and_a_refused_run_writes_nothing(tmp_path, capsys):
+    dataset = tmp_path / "texts.jsonl"
+    dataset.write_text('{"text": "the plot was good"}\n')
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset, "--jsonl", dataset)
+    assert code == 2 and f"--dataset and --jsonl both name '{dataset}'" in one_error_line(err)
+    assert dataset.read_text() == '{"text": "the plot was good"}\n'  # it used to be emptied, then read
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset, "--out", dataset)
+    assert code == 2 and "--dataset and --out both name" in err and dataset.read_text().startswith('{"text"')
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--text", "x", "--target", "zebra",
+                              "--jsonl", tmp_path / "new" / "r.jsonl", "--out", tmp_path / "r.html")
+    assert code == 2 and not (tmp_path / "new" / "r.jsonl").exists() and not (tmp_path / "r.html").exists()
+
+
+def test_a_dataset_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    dataset = tmp_path / "bom.jsonl"
+    dataset.write_bytes(b'\xef\xbb\xbf{"text": "the plot was good", "target": "negative"}\n')  # as Notepad saves
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--dataset", dataset, "--method", "raw")
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (tmp_path / "bom.explained.jsonl").read_text().splitlines()]
+    assert row["text"] == "the plot was good" and row["target"] == "negative"
+
+
+def test_ctrl_c_is_one_line_and_exit_code_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_explain", interrupted)
+    code, out, err = run_main(capsys, "explain", "--model", DEMO, "--text", "x")
+    assert code == 130 and err == "mamba-captum explain: interrupted.\n"
 
 
 def test_unsupported_causal_lm_is_named(gpt2_dir):
@@ -345,14 +563,14 @@ def classifier_dir(tmp_path_factory):
     return path
 
 
-def test_explain_a_sequence_classifier_checkpoint(classifier_dir, tmp_path):
-    code, out, err = run_cli("explain", "--model", str(classifier_dir), "--text", "the plot was good",
-                             "--target", "tech", "--jsonl", str(tmp_path / "r.jsonl"))
+def test_explain_a_sequence_classifier_checkpoint(classifier_dir, tmp_path, capsys):
+    code, out, err = run_main(capsys, "explain", "--model", classifier_dir, "--text", "the plot was good",
+                              "--target", "tech", "--jsonl", tmp_path / "r.jsonl")
     assert code == 0, err
     (row,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert row["target"] == "tech" and row["prediction"] in ("sport", "tech", "arts")
     assert row["settings"]["model_class"] == "JambaForSequenceClassification"
     assert sum(1 for _ in row["relevance"]) == 3
-    code, out, err = run_cli("explain", "--model", str(classifier_dir), "--text", "the plot", "--target", "music")
+    code, out, err = run_main(capsys, "explain", "--model", classifier_dir, "--text", "the plot", "--target", "music")
     assert code == 2 and "target 'music' is not a label of this model; its labels are ['sport', 'tech', 'arts']" \
         in err and "Traceback" not in err
