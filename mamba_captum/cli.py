@@ -251,7 +251,10 @@ def main(argv=None) -> int:
     if argv and argv[0] == "evaluate":  # its own parser (mamba_captum.evaluation.report)
         from .evaluation.report import main as evaluate
 
-        evaluate(argv[1:])
+        try:
+            evaluate(argv[1:])
+        except SystemExit as leaving:  # its argparse errors and refusals: a code, as for the other commands
+            return int(leaving.code or 0)
         return 0
     parser = build_parser()
     try:

@@ -574,3 +574,15 @@ def test_explain_a_sequence_classifier_checkpoint(classifier_dir, tmp_path, caps
     code, out, err = run_main(capsys, "explain", "--model", classifier_dir, "--text", "the plot", "--target", "music")
     assert code == 2 and "target 'music' is not a label of this model; its labels are ['sport', 'tech', 'arts']" \
         in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--family", "nosuch"], "invalid choice: 'nosuch'"),
+    (["--task", "needle", "nosuch"], "invalid choice: 'nosuch'"),
+    (["--family", "rwkv", "--task", "bbc_news"], "no shipped classifier for --family rwkv --task bbc_news"),
+])
+def test_evaluate_refuses_unknown_models_and_writes_nothing(args, message, tmp_path, capsys):
+    doc, assets = tmp_path / "faithfulness.md", tmp_path / "assets"
+    code, out, err = run_main(capsys, "evaluate", *args, "--doc", str(doc), "--assets", str(assets))
+    assert code == 2 and message in one_error_line(err)
+    assert not doc.exists() and not assets.exists()  # the committed report is never replaced by an empty one

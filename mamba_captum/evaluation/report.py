@@ -193,8 +193,9 @@ def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, comman
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="mamba-captum evaluate", description="The faithfulness comparison "
                                      "(docs/faithfulness.md) on the shipped tiny classifiers.")
-    parser.add_argument("--family", nargs="*", default=list(FAMILIES))
-    parser.add_argument("--task", nargs="*", default=list(TASKS) + ["bbc_news"])
+    # choices: an unknown name must not run nothing and then overwrite the committed results with an empty report
+    parser.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--task", nargs="+", default=list(TASKS) + ["bbc_news"], choices=list(TASKS) + ["bbc_news"])
     parser.add_argument("--examples", type=int, default=64)
     parser.add_argument("--no-perturbation", action="store_true", help="localisation only (much faster)")
     parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
@@ -216,6 +217,9 @@ def main(argv=None):
     from .compare import evaluate
 
     usable, skipped = available_models(args.family, args.task, args.weights)
+    if not usable:
+        parser.exit(2, f"{parser.prog}: error: no shipped classifier for --family {' '.join(args.family)} --task "
+                       f"{' '.join(args.task)} (bbc_news has a mamba model only); nothing was run or written.\n")
     start = time.perf_counter()
     rows = evaluate(pairs=[(family, task) for family, task, _ in usable], examples=args.examples,
                     perturbation=not args.no_perturbation, weights_root=args.weights,
