@@ -1,5 +1,7 @@
 """The fast differentiable Mamba-1 scan: equal to the per-token loop and to HF's own torch path (outputs and every
 gradient), and ``fast_scans`` swaps HF's module-level scans only while it is open."""
+import sys
+
 import pytest
 import torch
 import transformers.models.falcon_mamba.modeling_falcon_mamba as hf_falcon_mamba
@@ -73,27 +75,32 @@ def test_models_give_hfs_outputs_and_gradients_on_the_fast_scan(family):
 
 def test_swapped_only_inside_and_restored_on_every_exit():
     originals = [m.mamba_selective_scan for m in SCAN_MODULES]
+    depth = sys.modules["mamba_captum.fast_scans"]._thread_depth
     with mc.fast_scans():
         assert all(m.mamba_selective_scan.original is o for m, o in zip(SCAN_MODULES, originals))
-        with mc.fast_scans(make_model("mamba")):  # nested, and only the model's own family
-            assert hf_mamba.mamba_selective_scan.original is not originals[0]
-            assert hf_jamba.mamba_selective_scan.original is originals[2]
-        assert hf_mamba.mamba_selective_scan.original is originals[0]
-    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
+        dispatchers = [m.mamba_selective_scan for m in SCAN_MODULES]
+        with mc.fast_scans(make_model("mamba")):  # nested: one dispatcher per module, the thread counted twice
+            assert [m.mamba_selective_scan for m in SCAN_MODULES] == dispatchers
+            assert depth() == {hf_mamba.__name__: 2, hf_falcon_mamba.__name__: 1, hf_jamba.__name__: 1}
+        assert all(count == 1 for count in depth().values())
+    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals and not depth()
     with pytest.raises(RuntimeError, match="boom"), mc.fast_scans():
         raise RuntimeError("boom")
-    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals
+    assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals and not depth()
 
 
 def test_dispatch_keeps_mamba_ssm_on_cuda_then_triton_then_the_chunked_scan(monkeypatch):
-    import sys
     from types import SimpleNamespace
 
     fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
     calls = []
     monkeypatch.setattr(fast_scans_module, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
     monkeypatch.setattr(fast_scans_module, "selective_scan_triton", lambda *a, **k: calls.append("triton"))
-    dispatch = fast_scans_module._dispatcher(lambda *a, **k: calls.append("original"))
+    dispatch = fast_scans_module._dispatcher(hf_mamba.__name__, lambda *a, **k: calls.append("original"))
+    dispatch(torch.zeros(1))  # a thread outside fast_scans(): HF's own function
+    assert calls == ["original"]
+    calls.clear()
+    monkeypatch.setitem(fast_scans_module._thread_depth(), hf_mamba.__name__, 1)
     cuda = lambda dtype: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)  # noqa: E731
     for has_mamba_ssm in (True, False):
         monkeypatch.setattr(fast_scans_module, "_has_mamba_ssm", lambda: has_mamba_ssm)
