@@ -1,11 +1,14 @@
 """``implicit_attention``: the per-layer implicit-attention maps of a transformers model, one forward pass."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import families
 from .capture import LayerCapture
-from .checks import NonFiniteError, check_finite, check_inputs, check_mask, index_list, nonfinite_parameters
+from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords, check_mask, index_list,
+                     nonfinite_parameters, unwrap_parallel)
 from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, SumOperator, operator_output_grad
@@ -69,6 +72,10 @@ class SharedAttentionKey(str):
     __ne__ = str.__ne__
 
 
+# Maps saved with torch.save load back under torch.load's default weights_only=True.
+torch.serialization.add_safe_globals([SharedAttentionKey])
+
+
 def _model_dtype(model) -> torch.dtype:
     for parameter in model.parameters():
         if parameter.is_floating_point():
@@ -120,6 +127,34 @@ def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dt
     return relative
 
 
+def _check_hooked(name: str, call, dtype: torch.dtype):
+    """A submodule of the mixer that carries the user's hooks must give, without them, what it gave with them: the
+    rebuild runs it without hooks (so that they fire once per call), and a hook that changes its output would make
+    the rebuilt operator describe another function.
+
+    Raises:
+        ReconstructionError: naming the submodule.
+    """
+    from .families.unhooked import run
+
+    for path, module, (args, kwargs), output in call.hooked:
+        if not torch.is_tensor(output):
+            continue
+        with torch.no_grad():
+            recomputed = module.forward(*args, **kwargs) if kwargs else run(module, *args)
+        if not torch.is_tensor(recomputed) or recomputed.shape != output.shape:
+            continue
+        scale = output.detach().double().abs().max().item()
+        error = (recomputed.detach().double() - output.detach().double()).abs().max().item()
+        bound = 1e-6 if dtype in (torch.float32, torch.float64) else 1e-3  # the same op on the same input
+        if not error <= bound * max(scale, 1e-30):
+            raise ReconstructionError(
+                f"mamba_captum: a forward hook on {path} of {name} changes its output (relative "
+                f"{error / max(scale, 1e-30):.3g}); the operator is rebuilt from the weights, so it would describe "
+                "another function than the one that ran. Remove the hook while explaining, or hook the mixer's "
+                "output instead (changes there act downstream of the operator and are explained correctly).")
+
+
 def _layer_indices(layers, count: int):
     if layers is None:
         return None
@@ -165,7 +200,7 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
         forward_kwargs["input_ids"] = input_ids
     if attention_mask is not None:
         forward_kwargs["attention_mask"] = attention_mask
-    forward_kwargs.setdefault("use_cache", False)
+    forward_kwargs["use_cache"] = False  # no cache: it changes no output, and nothing continues from it
     families.check_forward(mixers, attention_mask, forward_kwargs)
     with fast_scans(model), LayerCapture(decoder_layers, mixers, layers) as capture:
         output = model(**forward_kwargs)
@@ -173,9 +208,13 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     return capture.trace, output, decoder_layers, kept
 
 
-def _check_arguments(model, input_ids, attention_mask, forward_kwargs) -> tuple[int, int]:
+def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) -> tuple[int, int]:
     """(B, L) of valid inputs; see :mod:`mamba_captum.checks`. An unsupported model is refused first."""
     families.locate(model)
+    options = [n for n in inspect.signature(implicit_attention).parameters if n != "forward_kwargs"]
+    check_keywords(forward_kwargs, model.forward, options, where)
+    for name in ("logits_to_keep", "num_logits_to_keep", "return_dict"):
+        forward_kwargs.pop(name, None)  # the maps need no logits; outputs are not read
     batch, length = check_inputs(model, input_ids, forward_kwargs.get("inputs_embeds"))
     source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
     check_mask(attention_mask, batch, length, source.device)
@@ -216,13 +255,18 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
             attention_grads = _operator_grads(attention, call)
-            attention_error = 0.0  # dropout in training mode cannot be replayed: nothing to compare then
-            if not (call.module.training and getattr(call.module, "attention_dropout", 0.0)):
-                attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                         token_mask, module=call.module, layer_input=call.value)
+            dropout = getattr(call.module, "attention_dropout", 0.0)
+            if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
+                raise ValueError(
+                    f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
+                    f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
+                    "recovered. Explain the model in eval() mode.")
+            attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                                     token_mask, module=call.module, layer_input=call.value)
         for call in mixer_calls.get(index, ()):
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
+            _check_hooked(f"layer {index} ({call.located.name})", call, dtype)
             ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
             ssm_grads = _operator_grads(ssm, call)
             ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
@@ -257,7 +301,8 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
         output rebuilt from the operator.
     """
     operators, errors = {}, {}
-    _check_arguments(model, input_ids, attention_mask, forward_kwargs)
+    model = unwrap_parallel(model)
+    _check_arguments(model, input_ids, attention_mask, forward_kwargs, "build_operators")
     # session: one call at a time on this model, a plain eager forward, and RWKV's in-place rescaling undone
     # after the rebuild (which needs the weights the forward used).
     with session(model, families.decoder_layers(model)):
@@ -304,7 +349,8 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
-    _, length = _check_arguments(model, input_ids, attention_mask, forward_kwargs)
+    model = unwrap_parallel(model)
+    _, length = _check_arguments(model, input_ids, attention_mask, forward_kwargs, "implicit_attention")
     source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
     selected = _normalise_rows(rows, length, source.device)
     with torch.no_grad(), session(model, families.decoder_layers(model)):

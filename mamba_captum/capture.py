@@ -83,6 +83,8 @@ class MixerCall:
     unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
     options: dict = field(default_factory=dict)  # the mixer's other keyword arguments (e.g. position_ids)
+    # submodules that carry the user's hooks: (path, module, input before any pre-hook, output after every hook)
+    hooked: list = field(default_factory=list)
 
 
 @dataclass
@@ -216,6 +218,32 @@ class LayerCapture(contextlib.AbstractContextManager):
 
         return hook
 
+    def _hooked_input_hook(self, located, name):
+        def hook(module, args, kwargs):
+            if self._mine():
+                self._last_call(located).hooked.append([name, module, (self._keep_all(args), self._keep_all(kwargs)),
+                                                        None])  # the output is filled in by the post-hook
+
+        return hook
+
+    def _hooked_output_hook(self, located, name):
+        def hook(module, args, output):
+            if self._mine():
+                for entry in reversed(self._last_call(located).hooked):
+                    if entry[0] == name and entry[3] is None:
+                        entry[3] = output.detach() if torch.is_tensor(output) else output
+                        break
+
+        return hook
+
+    @staticmethod
+    def _keep_all(values):
+        """Detached copies of the references (only the check reads them; no graph is kept for it)."""
+        keep = lambda v: v.detach() if torch.is_tensor(v) else v  # noqa: E731
+        if isinstance(values, dict):
+            return {k: keep(v) for k, v in values.items()}
+        return tuple(keep(v) for v in values)
+
     def _out_proj_hook(self, located):
         def hook(module, args, output):
             if self._mine():
@@ -252,8 +280,18 @@ class LayerCapture(contextlib.AbstractContextManager):
                 self._handles.append(layer.register_forward_hook(self._layer_post_hook))
             for located in self.mixers:
                 module = located.module
+                # The rebuild runs submodules without hooks: where the user's hooks sit, record what the submodule
+                # received before them and gave after them, so that a hook that changes outputs is detected.
+                for name, sub in module.named_modules():
+                    if sub is not module and (sub._forward_hooks or sub._forward_pre_hooks):
+                        self._handles.append(sub.register_forward_pre_hook(self._hooked_input_hook(located, name),
+                                                                           prepend=True, with_kwargs=True))
+                        self._handles.append(sub.register_forward_hook(self._hooked_output_hook(located, name)))
                 self._handles.append(module.register_forward_pre_hook(self._mixer_pre_hook(located), with_kwargs=True))
-                self._handles.append(module.register_forward_hook(self._mixer_post_hook(located), with_kwargs=True))
+                # prepend: the mixer's own output, before any hook of the user's changes it (the operator describes
+                # the mixer; a hook's change acts downstream, where the gradients see it)
+                self._handles.append(module.register_forward_hook(self._mixer_post_hook(located), with_kwargs=True,
+                                                                  prepend=True))
                 out_proj = getattr(module, "out_proj", None)
                 if isinstance(out_proj, nn.Module):
                     self._handles.append(out_proj.register_forward_hook(self._out_proj_hook(located)))

@@ -6,6 +6,8 @@ names the problem and the fix.
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import numbers
 
 import torch
@@ -111,6 +113,9 @@ def check_inputs(model: nn.Module, input_ids=None, inputs_embeds=None) -> tuple[
         if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
             raise TypeError(f"mamba_captum: input_ids must hold integer token ids, not {tensor.dtype}; pass "
                             "embeddings as inputs_embeds=.")
+        if tensor.dtype not in (torch.int64, torch.int32):  # what embedding lookups take
+            raise TypeError(f"mamba_captum: input_ids are {tensor.dtype}; token ids must be torch.long (or int32): "
+                            "pass input_ids.long().")
         if tensor.dim() != 2:
             raise ValueError(f"mamba_captum: input_ids must be (B, L); got shape {tuple(tensor.shape)}."
                              + (" Add a batch dimension with input_ids[None]." if tensor.dim() == 1 else ""))
@@ -192,3 +197,53 @@ def check_finite(tensor: torch.Tensor, what: str, model: nn.Module | None = None
     where = (f" The model has non-finite weights: {', '.join(culprits)}; reload or repair them." if culprits else
              " The model's weights are finite: the numbers overflowed (try float32) or the inputs are not finite.")
     raise NonFiniteError(f"mamba_captum: {what} contain NaN or inf.{where}")
+
+
+# -- keyword arguments that would be dropped silently ----------------------------------------------------------------
+# transformers 5 forwards take **kwargs and ignore names they do not know; these are the ones they do read from it
+# (TransformersKwargs, the return_dict decorator, the cache position some models still take).
+_FORWARD_KWARGS = ("return_dict", "cache_position", "num_items_in_batch", "output_hidden_states", "output_attentions",
+                   "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                   "position_ids", "is_causal", "seq_idx")
+
+
+def accepted_keywords(function) -> set[str] | None:
+    """The keyword names ``function`` reads, or None when it takes any (a plain ``**kwargs`` of a user function).
+    For a transformers model's ``forward``, its named parameters plus what transformers reads from ``**kwargs``."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    names = {name for name, p in parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return names
+    owner = getattr(function, "__self__", None)
+    if owner is not None and type(owner).__module__.startswith("transformers."):
+        return names | set(_FORWARD_KWARGS)
+    return None
+
+
+def check_keywords(keywords, function, options, where: str) -> None:
+    """Refuse keyword arguments that neither the library call (``options``) nor ``function`` would read: a typo
+    such as ``formulaton=`` would otherwise be passed to the model's forward and dropped there.
+
+    Raises:
+        TypeError: naming the keyword, where it went, and the closest known names.
+    """
+    accepted = accepted_keywords(function)
+    if accepted is None:
+        return
+    for name in keywords:
+        if name not in accepted:
+            close = difflib.get_close_matches(name, sorted(set(options) | accepted), n=2)
+            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise TypeError(f"mamba_captum: {name}= is neither an option of {where} nor an argument of "
+                            f"{getattr(function, '__qualname__', function)!s}, which would drop it.{hint}")
+
+
+def unwrap_parallel(model):
+    """``nn.DataParallel`` / ``DistributedDataParallel`` -> the model inside: it runs replicas in other threads,
+    where the library's hooks cannot follow, and the explanation needs one plain forward pass anyway."""
+    while isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        model = model.module
+    return model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import index_list
 from .session import session
 from captum.attr import LLMAttributionResult, TextTokenInput
 from captum.attr import visualization as captum_visualization
@@ -42,7 +43,13 @@ def to_visualization_record(relevance, tokens, *, attention_mask=None, pred_prob
     token_lists = [tokens] if single else list(tokens)
     if len(token_lists) != batch.shape[0]:
         raise ValueError(f"mamba_captum: {len(token_lists)} token lists for {batch.shape[0]} examples.")
-    mask = None if attention_mask is None else torch.as_tensor(attention_mask).reshape(batch.shape).bool()
+    mask = None
+    if attention_mask is not None:
+        mask = torch.as_tensor(attention_mask)
+        if mask.numel() != batch.numel():
+            raise ValueError(f"mamba_captum: attention_mask has shape {tuple(mask.shape)}; the relevance is "
+                             f"{tuple(relevance.shape)}: give one mask row per example.")
+        mask = mask.reshape(batch.shape).bool()
 
     def pick(value, index):
         return value[index] if isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim()) \
@@ -90,7 +97,7 @@ def generation_queries(method, inp, target, tokenizer, gen_args):
             raise ValueError("mamba_captum: a str target needs a tokenizer (pass tokenizer= or a TextTokenInput).")
         target_ids = torch.tensor(tokenizer.encode(target, add_special_tokens=False), device=device)
     else:
-        target_ids = torch.as_tensor(target, device=device).reshape(-1).long()
+        target_ids = torch.tensor(index_list(target, "target"), dtype=torch.long, device=device)
     if target_ids.numel() == 0:
         raise ValueError("mamba_captum: the target has no tokens.")
     full = torch.cat([prompt, target_ids[None]], dim=1)
@@ -127,15 +134,31 @@ def as_hf_attentions(model, input_ids, attention_mask=None, *, formulation="unif
         attention_mask: (B, L), 1 for real tokens.
         formulation: ``"unified"`` or ``"hidden"``.
         reduce: the channel reduction (default ``"abs_mean"``: non-negative, like attention probabilities; softmax
-            layers of hybrids give their head-mean probabilities either way).
+            layers of hybrids give their head-mean probabilities either way); ``None`` is refused (one "head" per
+            layer).
         **forward_kwargs: passed to ``model(...)``.
     Returns:
-        a tuple with one (B, 1, L, L) tensor per decoder layer, in layer order (one "head": the channel-reduced
-        map). Zamba2's shared attention block, which has no decoder-layer index of its own, is left out.
+        a tuple with one (B, 1, L, L) tensor per decoder layer, indexed like the decoder layers (one "head": the
+        channel-reduced map). A decoder layer that mixes no tokens (e.g. NemotronH's MLP layers) gets the identity
+        (each token reads only itself; zero on padding). Zamba2's shared attention block, which has no
+        decoder-layer index of its own, is left out.
     """
+    from . import families
     from .attention import implicit_attention
 
+    if reduce is None:
+        raise ValueError("mamba_captum: as_hf_attentions gives one channel-reduced map per layer; choose reduce="
+                         "'abs_mean', 'mean' or 'sum' (implicit_attention(..., reduce=None) gives per-channel maps).")
+    for name in ("layers", "rows"):
+        if name in forward_kwargs:
+            raise TypeError(f"mamba_captum: as_hf_attentions gives every layer's full map (the layout indexes them "
+                            f"by layer); {name}= does not apply.")
     maps = implicit_attention(model, input_ids, attention_mask, formulation=formulation, reduce=reduce,
                               **forward_kwargs)
-    layers = sorted(key for key in maps if isinstance(key, int))
-    return tuple(maps[layer][:, None] for layer in layers)
+    any_map = next(iter(maps.values()))
+    identity = torch.eye(any_map.shape[-1], dtype=any_map.dtype, device=any_map.device).expand_as(any_map)
+    if attention_mask is not None:
+        keep = attention_mask.to(any_map.device, any_map.dtype)
+        identity = identity * keep[:, :, None] * keep[:, None, :]
+    count = len(families.decoder_layers(model))
+    return tuple((maps[layer] if layer in maps else identity)[:, None] for layer in range(count))

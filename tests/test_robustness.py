@@ -159,7 +159,8 @@ def test_user_hooks_fire_exactly_as_in_one_plain_forward(family):
 def test_a_user_hook_that_changes_a_projection_is_named_in_the_error():
     model = make_model("mamba2")
     model.backbone.layers[1].mixer.in_proj.register_forward_hook(lambda module, args, out: out * 1.5)
-    with pytest.raises(mc.ReconstructionError, match=r"layer 1 .*in_proj of this layer carr(y|ies) forward hooks"):
+    with pytest.raises(mc.ReconstructionError, match=r"a forward hook on in_proj of layer 1 \(1.mixer\) changes its "
+                                                    r"output \(relative 0.333\)"):
         mc.implicit_attention(model, torch.randint(3, VOCAB, (1, 6)))
 
 
@@ -489,3 +490,204 @@ def test_unmerged_lora_layers_give_the_merged_models_numbers(family, targets):
     merged = lora.merge_and_unload()  # frozen, as PEFT returns it
     assert torch.allclose(got, mc.MambaAttribution(merged).attribute(ids, target=5), rtol=1e-5, atol=1e-6)
     assert maps_equal(maps, mc.implicit_attention(merged, ids))
+
+
+# -- found by probing as a hostile user (closing note of issue 16) ---------------------------------------------------
+def right_padded(batch=2, length=8, real=5):
+    ids = torch.randint(3, VOCAB, (batch, length))
+    mask = torch.ones_like(ids)
+    ids[1, real:], mask[1, real:] = 0, 0
+    return ids, mask
+
+
+def test_a_mask_among_the_forward_arguments_is_the_explanations_mask(mamba):
+    ids, mask = right_padded()
+    explainer = mc.MambaAttribution(mamba)
+    expected = explainer.attribute(ids, target=5, attention_mask=mask)
+    assert torch.equal(expected[1, 5:], torch.zeros(3))
+    for given in ({"additional_forward_args": {"attention_mask": mask}}, {"additional_forward_args": (mask,)}):
+        assert torch.allclose(explainer.attribute(ids, target=5, **given), expected, atol=1e-7)
+    with pytest.raises(ValueError, match="attention_mask is given twice"):
+        explainer.attribute(ids, target=5, attention_mask=mask, additional_forward_args={"attention_mask": mask})
+    rwkv = make_model("rwkv")
+    left = torch.ones_like(ids)
+    left[1, :3] = 0
+    with pytest.raises(ValueError, match="ignores attention_mask"):  # the left-padding refusal sees it too
+        mc.MambaAttribution(rwkv).attribute(ids, target=5, additional_forward_args={"attention_mask": left})
+
+
+def test_attention_dropout_in_train_mode_is_refused_not_skipped():
+    model = make_model("jamba", attention_dropout=0.5).train()
+    ids = torch.randint(3, VOCAB, (1, 10))
+    with pytest.raises(ValueError, match=r"layer 2 \(JambaAttention\) drops attention probabilities .* eval\(\)"):
+        mc.build_operators(model, ids)
+    with pytest.raises(ValueError, match="attention_dropout=0.5"):
+        mc.MambaAttribution(model).attribute(ids, target=3)
+    assert model.training
+
+
+def test_misspelt_keywords_are_refused_with_the_likely_name(mamba):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with pytest.raises(TypeError, match=r"formulaton= is neither an option of MambaAttribution.attribute .* Did you "
+                                        r"mean 'formulation'"):
+        mc.MambaAttribution(mamba).attribute(ids, target=3, formulaton="hidden")
+    with pytest.raises(TypeError, match=r"reduction= .* implicit_attention .* Did you mean 'reduce'"):
+        mc.implicit_attention(mamba, ids, reduction="sum")
+    with pytest.raises(TypeError, match="gradient_rule= is neither an option of MambaRollout.attribute"):
+        mc.MambaRollout(mamba).attribute(ids, gradient_rule="residual")
+    with pytest.raises(TypeError, match="return_convergence_delta="):
+        mc.MambaAttribution(mamba).attribute(ids, target=3, return_convergence_delta=True)
+    # what transformers does read from **kwargs still passes
+    mc.MambaAttribution(mamba).attribute(ids, target=3, output_hidden_states=True)
+
+
+def test_generation_passes_forward_arguments_and_refuses_the_rest():
+    model = make_model("recurrent_gemma")
+    explainer = mc.MambaAttribution(model)
+    prompt, generated = torch.randint(3, VOCAB, (1, 6)), [7, 9]
+    resets = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # RecurrentGemma's state restarts at position 0
+    with_resets = explainer.attribute_generation(prompt, target=generated, position_ids=resets).token_attr
+    assert not torch.allclose(with_resets, explainer.attribute_generation(prompt, target=generated).token_attr)
+    full = torch.cat([prompt, torch.tensor([generated])], 1)
+    for t, token in enumerate(generated):
+        row = explainer.attribute(full, target=token, position=5 + t, position_ids=resets)[0, :6]
+        assert torch.allclose(with_resets[t], row, atol=1e-6)
+    with pytest.raises(TypeError, match="position= does not apply to attribute_generation"):
+        explainer.attribute_generation(prompt, target=[7], position=2)
+    with pytest.raises(TypeError, match="gradient_rul= is neither"):
+        explainer.attribute_generation(prompt, target=[7], gradient_rul="residual")
+    with pytest.raises(ValueError, match="give target= explicitly"):
+        explainer.attribute_generation(prompt, position_ids=resets)
+    with pytest.raises(TypeError, match="target= must hold ints; got 7.5"):
+        explainer.attribute_generation(prompt, target=[7.5])
+    with pytest.raises(TypeError, match="target= must hold ints; got True"):
+        explainer.attribute_generation(prompt, target=[True, 7])
+
+
+def test_reduce_is_refused_where_it_would_be_ignored(mamba):
+    ids = torch.randint(3, VOCAB, (2, 8))
+    with pytest.raises(ValueError, match="reduce='abs_mean' does not apply to gradient_rule='grad_x_operator'"):
+        mc.MambaAttribution(mamba).attribute(ids, target=3, reduce="abs_mean")
+    for method in (mc.MambaAttribution, mc.MambaRollout, mc.MambaRawAttention):
+        with pytest.raises(ValueError, match="reduce=None gives per-channel maps, which make no relevance"):
+            method(mamba).attribute(ids, target=3, reduce=None)
+        with pytest.raises(ValueError, match="does not apply to recipe='official'"):
+            method(mamba).attribute(ids, target=3, recipe="official", reduce="sum")
+    residual = mc.MambaAttribution(mamba)
+    assert not torch.allclose(residual.attribute(ids, target=3, gradient_rule="residual", reduce="abs_mean"),
+                              residual.attribute(ids, target=3, gradient_rule="residual"))
+
+
+def test_scores_that_do_not_cover_the_inputs_are_refused(mamba):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with pytest.raises(ValueError, match="logits_to_keep= keeps the logits of the last positions only"):
+        mc.MambaAttribution(mamba).attribute(ids, target=3, position=1, logits_to_keep=3)
+    one_row = lambda x, **kwargs: mamba(x, **kwargs).logits[:1, -1]  # noqa: E731 (B = 1 for a batch of 2)
+    with pytest.raises(ValueError, match=r"one row per example \(B = 2\); got \(1, 64\)"):
+        mc.MambaAttribution(mamba, forward_func=one_row).attribute(ids, target=0)
+
+
+def test_noise_tunnel_and_sensitivity_max_take_the_methods(mamba):
+    from captum.attr import NoiseTunnel
+    from captum.metrics import sensitivity_max
+
+    embeds = mamba.get_input_embeddings()(torch.randint(3, VOCAB, (2, 6))).detach()
+    smooth = NoiseTunnel(mc.MambaAttribution(mamba)).attribute(embeds, nt_type="smoothgrad", nt_samples=2,
+                                                               stdevs=0.01, target=5)
+    assert smooth.shape == embeds.shape and torch.isfinite(smooth).all()
+    explainer = mc.MambaAttribution(mamba)
+    assert explainer.attribute(embeds, target=5).is_contiguous()
+    assert sensitivity_max(explainer.attribute, embeds, target=5, n_perturb_samples=2).shape == (2,)
+
+
+def test_flex_attention_gives_the_eager_maps():
+    ids, mask = padded_batch(12, pads=3)
+    eager = mc.implicit_attention(make_model("nemotron_h"), ids, mask)
+    assert maps_equal(mc.implicit_attention(make_model("nemotron_h", attn_implementation="flex_attention"), ids, mask),
+                      eager)
+
+
+def test_hf_attention_layout_has_one_map_per_decoder_layer():
+    model = make_model("nemotron_h")  # mamba, MLP, attention, mamba
+    ids, mask = padded_batch(8, pads=2)
+    attentions = mc.as_hf_attentions(model, ids, mask)
+    maps = mc.implicit_attention(model, ids, mask, reduce="abs_mean")
+    assert len(attentions) == 4
+    assert [torch.equal(attentions[i][:, 0], maps[i]) for i in (0, 2, 3)] == [True] * 3
+    identity = torch.eye(8).expand(2, 8, 8) * (mask[:, :, None] * mask[:, None, :])
+    assert torch.equal(attentions[1][:, 0], identity)  # the MLP layer: each token reads itself
+    with pytest.raises(ValueError, match="one channel-reduced map per layer"):
+        mc.as_hf_attentions(model, ids, reduce=None)
+    with pytest.raises(TypeError, match="layers= does not apply"):
+        mc.as_hf_attentions(model, ids, layers=[3])
+
+
+def test_saved_zamba2_maps_load_with_torch_load_defaults(tmp_path):
+    maps = mc.implicit_attention(make_model("zamba2"), torch.randint(3, VOCAB, (1, 6)))
+    torch.save(maps, tmp_path / "maps.pt")
+    loaded = torch.load(tmp_path / "maps.pt")  # weights_only=True
+    assert list(loaded) == list(maps) and sorted(loaded) == list(loaded) and maps_equal(loaded, maps)
+
+
+def test_a_classifier_pooling_a_pad_is_refused():
+    import transformers as tf
+
+    config = CONFIGS["jamba"]()
+    config.num_labels, config._attn_implementation = 3, "eager"
+    model = tf.JambaForSequenceClassification(config).eval()
+    ids, mask = right_padded()
+    embeds = model.get_input_embeddings()(ids).detach()
+    with pytest.raises(ValueError, match="the classifier pools a padding token"):
+        mc.MambaAttribution(model).attribute(embeds, target=1, attention_mask=mask)
+    with pytest.raises(ValueError, match="position= does not apply to a sequence-classification head"):
+        mc.MambaAttribution(model).attribute(ids, target=1, position=2)
+    mc.MambaAttribution(model).attribute(ids, target=1, attention_mask=mask)  # ids: HF pools the last real token
+
+
+def test_models_as_users_hold_them(mamba):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    expected = mc.MambaAttribution(mamba).attribute(ids, target=3)
+    tuple_outputs = liven(make_model("mamba", seed=1))
+    tuple_outputs.config.return_dict = False
+    assert torch.allclose(mc.MambaAttribution(tuple_outputs).attribute(ids, target=3), expected, atol=1e-7)
+    assert torch.allclose(mc.MambaAttribution(torch.nn.DataParallel(mamba)).attribute(ids, target=3), expected)
+    copied = copy.deepcopy(mc.MambaAttribution(mamba))
+    assert torch.allclose(copied.attribute(ids, target=3), expected)
+    assert torch.allclose(pickle.loads(pickle.dumps(mc.MambaRollout(mamba))).attribute(ids),
+                          mc.MambaRollout(mamba).attribute(ids))
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="torch.inference_mode.. forbids"):
+        mc.MambaAttribution(mamba).attribute(ids, target=3)
+    with pytest.raises(TypeError, match=r"input_ids are torch.uint8.*input_ids.long\(\)"):
+        mc.implicit_attention(mamba, ids.to(torch.uint8))
+    rwkv = make_model("rwkv")
+    assert torch.allclose(mc.MambaAttribution(rwkv).attribute(ids, target=3, use_cache=True),
+                          mc.MambaAttribution(rwkv).attribute(ids, target=3))
+
+
+def test_a_layer_replaced_after_construction_is_the_one_explained():
+    model = make_model("mamba")
+    explainer = mc.MambaAttribution(model)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    model.backbone.layers[0] = copy.deepcopy(make_model("mamba", seed=5).backbone.layers[0])
+    assert torch.allclose(explainer.attribute(ids, target=3), mc.MambaAttribution(model).attribute(ids, target=3))
+
+
+def test_visualization_record_refuses_a_mask_of_another_shape():
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3,\); the relevance is \(2, 3\)"):
+        mc.to_visualization_record(torch.rand(2, 3), [["a", "b", "c"]] * 2, attention_mask=torch.ones(3))
+
+
+def test_hooks_that_change_a_projection_slightly_are_caught_and_mixer_output_hooks_are_explained():
+    model = make_model("mamba")
+    ids = torch.randint(3, VOCAB, (2, 6))
+    handle = model.backbone.layers[0].mixer.in_proj.register_forward_hook(lambda m, a, out: out * 1.0003)
+    with pytest.raises(mc.ReconstructionError, match=r"a forward hook on in_proj of layer 0 .*relative 0.0003"):
+        mc.implicit_attention(model, ids)
+    handle.remove()
+    plain = mc.implicit_attention(model, ids)
+    handle = model.backbone.layers[1].mixer.register_forward_hook(lambda m, a, out: out + 0.5)  # steering
+    steered = mc.implicit_attention(model, ids)
+    relevance = mc.MambaAttribution(model).attribute(ids, target=3)
+    handle.remove()
+    assert maps_equal(steered, plain)  # the mixer's own operator; the added vector acts downstream
+    assert torch.isfinite(relevance).all()

@@ -3,11 +3,13 @@ manager, and Captum's capability flags. Each method file only says how per-layer
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from captum.attr import Attribution
+from captum.log import log_usage
 
-from ..checks import check_finite
+from ..checks import check_finite, unwrap_parallel
 from ..session import session
 from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
 
@@ -34,6 +36,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
     needs_operator_grads = False
 
     def __init__(self, model, forward_func=None):
+        model = unwrap_parallel(model)  # nn.DataParallel runs replicas in threads the hooks cannot follow
         Attribution.__init__(self, forward_func if forward_func is not None else model)
         self.model = model
         self._runner = Runner(model, forward_func)
@@ -62,13 +65,25 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         if recipe not in RECIPES:
             raise ValueError(f"mamba_captum: recipe={recipe!r}; choose one of {RECIPES}.")
         check_reduce(reduce)
+        if reduce is None:
+            raise ValueError("mamba_captum: reduce=None gives per-channel maps, which make no relevance; choose "
+                             "'mean', 'abs_mean' or 'sum' (mc.implicit_attention(..., reduce=None) gives the maps).")
+        if recipe == "official" and reduce != "mean":
+            raise ValueError(f"mamba_captum: reduce={reduce!r} does not apply to recipe='official', which reduces "
+                             "the channels as the papers' code does; leave it out.")
         count = len(self._runner.decoder_layers)
         start = official_start_layer(count) if (start_layer is None and recipe == "official") else \
             start_layer_index(start_layer, count)
         return dict(recipe=recipe, reduce=reduce, **extra), start
 
+    def _method_options(self) -> list[str]:
+        """The method's own keywords beyond the common ones (e.g. MambaAttribution's gradient_rule)."""
+        return [name for name, p in inspect.signature(self._options).parameters.items()
+                if name not in ("recipe", "start_layer", "reduce") and p.kind is p.POSITIONAL_OR_KEYWORD]
+
     def _explain(self, inputs, target, additional_forward_args, attention_mask, position, formulation, start_layer,
                  reduce, components, recipe, forward_kwargs, queries=None, **extra):
+        self._runner.refresh()  # the model's layers as they are now
         options, start = self._options(recipe, start_layer, reduce, **extra)
         # session: one call at a time on this model, a plain eager forward, RWKV's rescaling undone after the
         # rebuild (which needs the weights the forward used)
@@ -83,11 +98,13 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
     def _explain_preserved(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
                            components, forward_kwargs, queries, options, start):
+        names = [n for n in inspect.signature(self.attribute).parameters if n != "forward_kwargs"]
         explained = self._runner.run(
             inputs, attention_mask=attention_mask, position=position, queries=queries, targets=target,
             additional_forward_args=additional_forward_args, forward_kwargs=forward_kwargs, formulation=formulation,
             components=components, start_layer=start, residual_grads=self._wants_residual(options),
-            operator_grads=self._wants_operator_grads(options), need_scores=target is not None)
+            operator_grads=self._wants_operator_grads(options), need_scores=target is not None, options=names,
+            where=f"{type(self).__name__}.attribute")
         return explained, self._relevance(explained, options)
 
     def _wants_residual(self, options) -> bool:
@@ -96,6 +113,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
     def _wants_operator_grads(self, options) -> bool:
         return self.needs_operator_grads
 
+    @log_usage()  # Captum's wrapper: NoiseTunnel calls attribute.__wrapped__
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
                   formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
                   **forward_kwargs):
@@ -113,10 +131,13 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             formulation: ``"unified"`` (gate · S6 · act · conv [· norm]) or ``"hidden"`` (S6 alone).
             start_layer: first decoder layer used (negative allowed); None: 0, or the official start with
                 ``recipe="official"`` (15 of 24 layers).
-            reduce: channel reduction of the maps, ``"mean"`` | ``"abs_mean"`` | ``"sum"`` (product recipe).
+            reduce: channel reduction of the maps, ``"mean"`` | ``"abs_mean"`` | ``"sum"`` (product recipe; the
+                official recipe reduces as the papers' code does and refuses another value).
             components: unified ablations, as in :func:`mamba_captum.implicit_attention`.
             recipe: ``"product"`` (full L×L matrices, DESIGN.md §4) or ``"official"`` (the papers' notebooks).
-            **forward_kwargs: passed to the model's forward.
+            **forward_kwargs: passed to the model's forward (e.g. ``position_ids``); a keyword neither this method
+                nor the model's forward reads is refused (transformers would drop it silently). An
+                ``attention_mask`` among them or in ``additional_forward_args`` is the explanation's mask too.
 
         Returns:
             (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
@@ -128,8 +149,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         return as_attributions(relevance[0], inputs_tensor, was_tuple)
 
     def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
-                             start_layer=None, reduce="mean", components=None, recipe="product",
-                             **method_kwargs):
+                             start_layer=None, reduce="mean", components=None, recipe="product", **kwargs):
         """Token × token relevance of a generated text, as Captum's ``LLMAttributionResult``.
 
         One forward pass over prompt + generated tokens; the row of each generated token t is the explanation of
@@ -141,15 +161,27 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             target: the generated text (str, tokenised without special tokens) or its ids; None generates it
                 greedily with ``model.generate(prompt, **gen_args)`` (default ``max_new_tokens=25``).
             tokenizer: needed for str targets and token names when ``inp`` is not a ``TextTokenInput``.
+            **kwargs: the method's own options (e.g. MambaAttribution's ``gradient_rule``), and keywords for the
+                model's forward over prompt + target (e.g. ``position_ids`` of shape (1, Lp + T); they need an
+                explicit ``target``).
         Returns:
             ``LLMAttributionResult`` with ``token_attr`` (T, n_input_tokens), ``seq_attr`` = its sum over the T
             generated tokens, ``output_probs`` (T,) the probabilities of the generated tokens.
         """
         from ..viz import generation_queries, generation_result
 
+        for name in ("position", "attention_mask", "additional_forward_args"):
+            if name in kwargs:
+                raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "
+                                "generated token of one unpadded prompt.")
+        method_options = {k: kwargs.pop(k) for k in self._method_options() if k in kwargs}
+        if kwargs and target is None:
+            raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(kwargs))}) must cover prompt + "
+                             "generated tokens: give target= explicitly.")
+        self._runner.refresh()
         prompt, full, target_ids, tokenizer, keep = generation_queries(self, inp, target, tokenizer, gen_args)
         queries = [(torch.tensor([prompt.shape[1] - 1 + t], device=full.device), target_ids[t:t + 1])
                    for t in range(target_ids.shape[0])]
         explained, relevance = self._explain(full, None, None, None, None, formulation, start_layer, reduce,
-                                             components, recipe, {}, queries=queries, **method_kwargs)
+                                             components, recipe, kwargs, queries=queries, **method_options)
         return generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relevance)

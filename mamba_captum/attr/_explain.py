@@ -6,6 +6,7 @@ Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ import torch
 from .. import families
 from ..attention import FORMULATIONS, _operators, check_recorded
 from ..capture import LayerCapture
-from ..checks import check_finite, check_inputs, check_mask, index_list, single_index
+from ..checks import check_finite, check_inputs, check_keywords, check_mask, index_list, single_index
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
 
@@ -178,14 +179,21 @@ def start_layer_index(start_layer, count: int) -> int:
 
 
 # -- the captured forward pass -------------------------------------------------------------------------------------
+LOGITS_TRIMMING = ("logits_to_keep", "num_logits_to_keep")
+
+
 class Runner:
     """Runs the explained model (or the user's ``forward_func``) once under the capture hooks."""
 
     def __init__(self, model, forward_func=None):
         self.model = model
         self.forward_func = forward_func
-        self.decoder_layers, self.mixers = families.locate(model)  # TypeError now for unsupported models
+        self.refresh()  # TypeError now for unsupported models
         self._active: set = set()  # captures whose hooks are on the model right now
+
+    def refresh(self):
+        """Find the decoder layers and mixers again: a layer replaced since the last call is the one explained."""
+        self.decoder_layers, self.mixers = families.locate(self.model)
 
     def close(self):
         """Remove the hooks of any capture still registered (the context-manager guarantee)."""
@@ -193,43 +201,96 @@ class Runner:
             capture._remove()
         self._active.clear()
 
-    def _call(self, inputs, mask_given, attention_mask, additional_forward_args, forward_kwargs):
-        args, kwargs = (), dict(forward_kwargs)
+    @property
+    def is_classifier(self) -> bool:
+        return self.forward_func is None and type(self.model).__name__.endswith("ForSequenceClassification")
+
+    def _arguments(self, inputs, attention_mask, additional_forward_args, forward_kwargs, options, where):
+        """(positional args, keyword args, attention mask) of the call. Captum's ``additional_forward_args`` (a dict,
+        or positional arguments after the inputs) and the method's ``**forward_kwargs`` are merged into keywords
+        (positional ones bound to the model's ``forward``), so that an ``attention_mask`` among them is the mask the
+        explanation uses, and a keyword nobody reads is refused instead of dropped."""
+        kwargs, args = dict(forward_kwargs or {}), ()
         if isinstance(additional_forward_args, dict):
-            kwargs.update(additional_forward_args)
-        elif additional_forward_args is not None:
+            extra = dict(additional_forward_args)
+        elif additional_forward_args is None:
+            extra = {}
+        else:
             args = tuple(additional_forward_args) if isinstance(additional_forward_args, (tuple, list)) \
                 else (additional_forward_args,)
-        if mask_given:
-            kwargs["attention_mask"] = attention_mask
+            extra = {}
+            if self.forward_func is None and args:
+                if inputs.is_floating_point():
+                    raise TypeError("mamba_captum: with inputs_embeds, pass additional_forward_args as a dict of "
+                                    "keywords.")
+                try:
+                    bound = inspect.signature(self.model.forward).bind_partial(inputs, *args).arguments
+                except TypeError as error:
+                    raise TypeError(f"mamba_captum: additional_forward_args {len(args)} positional value(s) do not "
+                                    f"fit {type(self.model).__name__}.forward after the inputs ({error}); pass a "
+                                    "dict of keywords.") from None
+                extra, args = dict(list(bound.items())[1:]), ()
+        twice = sorted(set(extra) & set(kwargs))
+        if twice:
+            raise ValueError(f"mamba_captum: {twice[0]} is given both in additional_forward_args and as a keyword.")
+        kwargs.update(extra)
+        if "attention_mask" in kwargs:  # the mask the model sees is the mask the explanation uses
+            if attention_mask is not None:
+                raise ValueError("mamba_captum: attention_mask is given twice (as attention_mask= and among the "
+                                 "forward arguments); give it once.")
+            attention_mask = kwargs.pop("attention_mask")
+        if self.forward_func is not None:
+            check_keywords(kwargs, self.forward_func, options, where)
+            return args, kwargs, attention_mask
+        for name in ("input_ids", "inputs_embeds"):
+            if name in kwargs:
+                raise ValueError(f"mamba_captum: pass the explained tokens as the inputs, not as {name}=.")
+        for name in LOGITS_TRIMMING:
+            if kwargs.get(name) not in (None, 0):
+                raise ValueError(f"mamba_captum: {name}= keeps the logits of the last positions only; the "
+                                 "explanation reads the query position's logits: leave it out.")
+        check_keywords(kwargs, self.model.forward, options, where)
+        # No cache (it changes nothing in the outputs, and RWKV's in-place state breaks gradients); a ModelOutput
+        # whatever config.return_dict says, so that the logits are found by name.
+        kwargs.update(use_cache=False, return_dict=True)
+        return args, kwargs, attention_mask
+
+    def _call(self, inputs, args, kwargs, attention_mask):
+        if attention_mask is not None:
+            kwargs = {**kwargs, "attention_mask": attention_mask}
         if self.forward_func is not None:
             return self.forward_func(inputs, *args, **kwargs)
-        kwargs.setdefault("use_cache", False)
         if inputs.is_floating_point():
-            if args:
-                raise TypeError("mamba_captum: with inputs_embeds, pass additional_forward_args as a dict of keywords.")
             return self.model(inputs_embeds=inputs, **kwargs)
-        return self.model(inputs, *args, **kwargs)
+        return self.model(inputs, **kwargs)
 
-    def _scores(self, output, inputs, positions, explicit_position):
+    def _scores(self, output, inputs, positions, mask, attention_mask):
         """The (B, K) explained scores and the query positions (B,) they come from."""
+        batch, length = inputs.shape[:2]
         if self.forward_func is not None:
             scores = output
-            if not torch.is_tensor(scores) or scores.dim() != 2:
+            if not torch.is_tensor(scores) or scores.dim() != 2 or scores.shape[0] != batch:
                 shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
-                raise ValueError(f"mamba_captum: forward_func must return (B, K) scores; got {shape}.")
+                raise ValueError(f"mamba_captum: forward_func must return (B, K) scores, one row per example "
+                                 f"(B = {batch}); got {shape}.")
             return scores, positions
         logits = getattr(output, "logits", None)
         if logits is None:
             return None, positions
         if logits.dim() == 3:  # causal LM: next-token logits at the query position
-            batch = logits.shape[0]
+            if logits.shape[:2] != (batch, length):
+                raise ValueError(f"mamba_captum: the model returned logits of shape {tuple(logits.shape)} for inputs "
+                                 f"({batch}, {length}); the explanation needs the logits of every position.")
             return logits[torch.arange(batch, device=logits.device), positions.to(logits.device)], positions
         if logits.dim() == 2:  # sequence classification: HF pooled the last non-pad token itself
-            if explicit_position:
-                raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
-                                 "explains its pooled (last non-pad) token.")
-            return logits, self._pooled_positions(inputs)
+            pooled = self._pooled_positions(inputs)
+            if attention_mask is not None and not bool(mask[torch.arange(batch, device=mask.device),
+                                                            pooled.to(mask.device)].all()):
+                raise ValueError("mamba_captum: the classifier pools a padding token of some examples (with "
+                                 "inputs_embeds, HF pools the last position, blind to padding; with ids, the last "
+                                 "token that is not pad_token_id): pad on the left, or pass token ids with "
+                                 "pad_token_id set.")
+            return logits, pooled
         raise ValueError(f"mamba_captum: unexpected logits shape {tuple(logits.shape)}.")
 
     def _pooled_positions(self, inputs):
@@ -243,32 +304,40 @@ class Runner:
 
     def run(self, inputs, *, attention_mask=None, position=None, queries=None, targets=None,
             additional_forward_args=None, forward_kwargs=None, formulation="unified", components=None,
-            start_layer=0, residual_grads=False, operator_grads=False, need_scores=False) -> Explained:
+            start_layer=0, residual_grads=False, operator_grads=False, need_scores=False, options=(),
+            where="the method") -> Explained:
         """One forward pass under the hooks; gradients of each query's target score if asked for.
 
         ``queries``: explicit list of (positions (B,), targets (B,) or None) for generation; otherwise one query from
-        ``position`` and ``target``.
+        ``position`` and ``target``. ``options`` / ``where``: the calling method's own keyword names and name, for
+        the message when a keyword is neither the method's nor the model's.
         """
         if formulation not in FORMULATIONS:
             raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
         kept = families.parse_components(components, formulation)
+        need_grad = residual_grads or operator_grads
+        if need_grad and torch.is_inference_mode_enabled():
+            raise RuntimeError("mamba_captum: this method takes gradients, which torch.inference_mode() forbids; "
+                               "call it outside inference_mode (the library switches gradients on for its own "
+                               "forward pass).")
+        args, kwargs, attention_mask = self._arguments(inputs, attention_mask, additional_forward_args,
+                                                       forward_kwargs, options, where)
         if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
             check_inputs(self.model, None if inputs.is_floating_point() else inputs,
                          inputs if inputs.is_floating_point() else None)
         mask = format_mask(attention_mask, inputs)
+        if position is not None and self.is_classifier:
+            raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
+                             "explains its pooled (last non-pad) token.")
         positions = format_positions(position, mask)
         layers = list(range(start_layer, len(self.decoder_layers)))
-        need_grad = residual_grads or operator_grads
         capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
                                record_residual=residual_grads)
-        forward_kwargs = dict(forward_kwargs or {})
-        keywords = {**forward_kwargs, **(additional_forward_args if isinstance(additional_forward_args, dict) else {})}
-        families.check_forward(self.mixers, attention_mask, keywords)
+        families.check_forward(self.mixers, attention_mask, kwargs)
         self._active.add(capture)
         try:
             with torch.set_grad_enabled(need_grad), fast_scans(self.model), capture:
-                output = self._call(inputs, attention_mask is not None, attention_mask, additional_forward_args,
-                                    forward_kwargs)
+                output = self._call(inputs, args, kwargs, attention_mask)
         finally:
             self._active.discard(capture)
         trace = capture.trace
@@ -277,7 +346,7 @@ class Runner:
         grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
         try:
             if queries is None:
-                scores, positions = self._scores(output, inputs, positions, position is not None)
+                scores, positions = self._scores(output, inputs, positions, mask, attention_mask)
                 if scores is None and (need_grad or need_scores):
                     raise TypeError(
                         f"mamba_captum: {type(self.model).__name__} returns no logits; pass forward_func= returning "
@@ -311,7 +380,7 @@ class Runner:
         tensors += [call.output for call in calls]
         if any(not t.requires_grad for t in tensors):
             raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
-                               "layers (is it run under torch.no_grad or inference_mode inside forward_func?).")
+                               "layers (a forward_func that runs the model under torch.no_grad or inference_mode?).")
         for call in calls:
             call.output_grads = []
         for number, (_, scores, targets) in enumerate(queries):
@@ -346,8 +415,8 @@ def check_reduce(reduce):
 
 def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool):
     """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings."""
-    if inputs.is_floating_point():
-        relevance = relevance[..., None].expand(*inputs.shape).to(inputs.dtype)
+    if inputs.is_floating_point():  # a real tensor, not a stride-0 view (captum.metrics reshapes it)
+        relevance = relevance[..., None].expand(*inputs.shape).to(inputs.dtype).contiguous()
     return (relevance,) if was_tuple else relevance
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from captum.attr import GradientAttribution
+from captum.log import log_usage
 
 from ._base import ImplicitAttentionMethod
 from ._explain import as_attributions, format_inputs, gather_rows, unique_positions
@@ -54,9 +55,14 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
                                      ("normalise", normalise, NORMALISATIONS)):
             if value not in choices:
                 raise ValueError(f"mamba_captum: {name}={value!r}; choose one of {choices}.")
+        if recipe == "product" and gradient_rule == "grad_x_operator" and reduce not in ("mean", None):
+            raise ValueError(f"mamba_captum: reduce={reduce!r} does not apply to gradient_rule='grad_x_operator', "
+                             "whose channels are summed in gradient × operator × input; use "
+                             "gradient_rule='residual' to weight reduced maps, or leave reduce= out.")
         return super()._options(recipe, start_layer, reduce, gradient_rule=gradient_rule, sign=sign,
                                 normalise=normalise, **extra)
 
+    @log_usage()  # Captum's wrapper: NoiseTunnel calls attribute.__wrapped__
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
                   formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
                   gradient_rule="grad_x_operator", sign="absolute", normalise="row_max", **forward_kwargs):

@@ -23,7 +23,7 @@ class RWKVAttribution(MambaAttribution):
 
     def __init__(self, model, forward_func=None):
         super().__init__(model, forward_func)
-        kinds = {type(m.module).__name__ for m in self._runner.mixers}
+        kinds = {type(m.module).__name__ for m in self._runner.mixers}  # located at construction
         if not kinds & set(RWKV_MIXERS):
             raise TypeError(f"mamba_captum: RWKVAttribution explains RWKV models; {type(model).__name__} has "
                             f"{', '.join(sorted(kinds))} mixers. Use MambaAttribution, which explains every "

@@ -7,6 +7,7 @@ of the explanation methods; the methods know nothing of the families.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,13 @@ class LocatedMixer:
     name: str
     module: nn.Module
     adapter: object
+
+    def __reduce__(self):  # the adapter is a Python module: copied and pickled by name
+        return _located, (self.layer, self.name, self.module, self.adapter.__name__)
+
+
+def _located(layer, name, module, adapter_name):
+    return LocatedMixer(layer, name, module, importlib.import_module(adapter_name))
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -12,8 +12,17 @@ import torch
 from ..operators import SoftmaxOperator
 
 
+def _dense_block_mask(block_mask, batch: int, q_len: int, k_len: int, device) -> torch.Tensor:
+    """flex_attention's ``BlockMask`` as the (B, 1, Lq, Lk) boolean mask its ``mask_mod`` defines, token by token."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=device)
+
+
 def _additive_mask(call, q_len: int, k_len: int, dtype, device):
     mask = call.attention_mask
+    if mask is not None and not torch.is_tensor(mask) and hasattr(mask, "mask_mod"):  # attn_implementation="flex"
+        mask = _dense_block_mask(mask, call.query.shape[0], q_len, k_len, device)
     if mask is not None and mask.dim() == 4:
         mask = mask[..., :k_len]
         if mask.dtype == torch.bool:
