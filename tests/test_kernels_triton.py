@@ -178,9 +178,9 @@ def test_engine_maps_through_triton_equal_the_torch_kernels(family):
     ids = torch.randint(3, VOCAB, (2, 10))
     kwargs = {"position_ids": RESET_POSITIONS[:, :10]} if family == "recurrent_gemma" else {}
     for formulation in ("unified", "hidden"):
-        torch_maps = mc.implicit_attention(model, ids, formulation=formulation, forward_kwargs=kwargs)
+        torch_maps = mc.implicit_attention(model, ids, formulation=formulation, **kwargs)
         with kernel_settings(backend="triton"):
-            triton_maps = mc.implicit_attention(model, ids, formulation=formulation, forward_kwargs=kwargs)
+            triton_maps = mc.implicit_attention(model, ids, formulation=formulation, **kwargs)
         assert set(triton_maps) == set(torch_maps)
         for layer in torch_maps:
             assert relative_error(triton_maps[layer], torch_maps[layer]) < TOLERANCE, (formulation, layer)
