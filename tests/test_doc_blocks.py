@@ -208,6 +208,7 @@ BASH_COMMANDS = [
     (("command", "-v"), NOT_RUN, "setup: looks for Chromium before installing it"),
     (("apt-get",), NOT_RUN, "setup"),
     (("pytest",), NOT_RUN, "the whole test suite, this test included"),
+    (("MAMBA_CAPTUM_HYPOTHESIS=long", "pytest"), NOT_RUN, "the property suite's long profile: many minutes"),
     (("python", "-m", "mamba_captum.evaluation"), NOT_RUN, "the faithfulness comparison: about an hour"),
     (("python", "-m", "mamba_captum.evaluation.train"), NOT_RUN, "training: minutes per model"),
 ]
