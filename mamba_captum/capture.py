@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,6 +111,7 @@ class Trace:
     mixer_calls: list[MixerCall] = field(default_factory=list)
     attention_calls: list[AttentionCall] = field(default_factory=list)
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, L, D_model) stream entering it
+    embedding_inputs: list = field(default_factory=list)  # what the input embeddings were called with (token ids)
 
     def detach(self):
         """Drop the autograd graph from everything recorded (after the gradients have been taken)."""
@@ -119,6 +121,34 @@ class Trace:
             call.query, call.key, call.value = call.query.detach(), call.key.detach(), call.value.detach()
             call.output = call.output.detach()
         self.residuals = {k: v.detach() for k, v in self.residuals.items()}
+
+
+def _trampoline(capture, method: str, *bound):
+    """A hook that calls ``capture.<method>(*bound, module, *args)`` through a weak reference.
+
+    A copy of a hooked module made while the capture is open (``copy.deepcopy`` of the model inside a
+    ``forward_func``) carries the hook: it keeps no trace alive there, does nothing, and removes itself from the
+    copy the first time the copy runs."""
+    ref = weakref.ref(capture)
+
+    def hook(module, *args):
+        owner = ref()
+        if owner is None or owner._closed:
+            _forget(module, hook)
+            return None
+        return getattr(owner, method)(*bound, module, *args)
+
+    return hook
+
+
+def _forget(module: nn.Module, hook) -> None:
+    """Remove ``hook`` from ``module``'s forward (pre-)hook dicts (torch iterates over a copy of them)."""
+    for table in ("_forward_hooks", "_forward_pre_hooks"):
+        hooks = module.__dict__.get(table, {})
+        for key in [key for key, value in hooks.items() if value is hook]:
+            del hooks[key]
+            for side in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+                module.__dict__.get(side, {}).pop(key, None)
 
 
 class LayerCapture(contextlib.AbstractContextManager):
@@ -134,10 +164,16 @@ class LayerCapture(contextlib.AbstractContextManager):
             inputs without grad) is swapped for a leaf that requires grad, same values, so that gradients with
             respect to every recorded tensor exist; the weights are not touched.
         record_residual: also record the residual stream entering each recorded decoder layer.
+        embeddings: the model's input-embedding module, or None. Its inputs are recorded (the token ids the model
+            really saw); with ``detach=False`` and grad enabled, an output that carries no graph (frozen embeddings)
+            is swapped for a leaf that requires grad there, before anything the model derives from it (Zamba2
+            feeds a copy of the embeddings to every shared attention block), not only at the first layer.
     """
 
     def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
-                 record_attention: bool = True, detach: bool = True, record_residual: bool = False):
+                 record_attention: bool = True, detach: bool = True, record_residual: bool = False,
+                 embeddings: nn.Module | None = None):
+        self.embeddings = embeddings
         self.decoder_layers = decoder_layers
         self.mixers = [m for m in mixers if layers is None or m.layer in layers]
         self.layers = None if layers is None else set(layers)
@@ -150,6 +186,7 @@ class LayerCapture(contextlib.AbstractContextManager):
         self._thread = None
         self._captures: list = []
         self._attention_patched = False
+        self._closed = True  # hooks do nothing (and drop themselves) unless the capture is open
 
     # -- helpers --------------------------------------------------------------------------------------------
     def _keep(self, tensor):
@@ -167,74 +204,69 @@ class LayerCapture(contextlib.AbstractContextManager):
         captures = open_captures()
         return bool(captures) and captures[-1] is self
 
-    # -- hooks ----------------------------------------------------------------------------------------------
-    def _layer_pre_hook(self, index):
-        def hook(module, args, kwargs):
-            if not self._mine():
-                return None
-            self._layer_stack.append(index)
-            recorded = self.record_residual and (self.layers is None or index in self.layers)
-            positional = bool(args)
-            hidden = args[0] if positional else kwargs.get("hidden_states")
-            if not torch.is_tensor(hidden):
-                if recorded:
-                    raise RuntimeError(f"mamba_captum: decoder layer {index} received no hidden_states tensor.")
-                return None
-            if not self.detach and torch.is_grad_enabled() and not hidden.requires_grad:
-                hidden = hidden.detach().requires_grad_(True)
-                if positional:
-                    args = (hidden, *args[1:])
-                else:
-                    kwargs = {**kwargs, "hidden_states": hidden}
+    # -- hooks (each registered through _trampoline: see there) ---------------------------------------------
+    def _on_layer_pre(self, index, module, args, kwargs):
+        if not self._mine():
+            return None
+        self._layer_stack.append(index)
+        recorded = self.record_residual and (self.layers is None or index in self.layers)
+        positional = bool(args)
+        hidden = args[0] if positional else kwargs.get("hidden_states")
+        if not torch.is_tensor(hidden):
             if recorded:
-                self.trace.residuals[index] = self._keep(hidden)
-            return args, kwargs
+                raise RuntimeError(f"mamba_captum: decoder layer {index} received no hidden_states tensor.")
+            return None
+        if not self.detach and torch.is_grad_enabled() and not hidden.requires_grad:
+            hidden = hidden.detach().requires_grad_(True)
+            if positional:
+                args = (hidden, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": hidden}
+        if recorded:
+            self.trace.residuals[index] = self._keep(hidden)
+        return args, kwargs
 
-        return hook
+    def _on_embedding(self, module, args, output):
+        if not self._mine():
+            return None
+        if args and torch.is_tensor(args[0]):
+            self.trace.embedding_inputs.append(args[0].detach())
+        if not self.detach and torch.is_grad_enabled() and torch.is_tensor(output) and output.is_floating_point() \
+                and not output.requires_grad:
+            return output.detach().requires_grad_(True)
+        return None
 
-    def _layer_post_hook(self, module, args, output):
+    def _on_layer_post(self, module, args, output):
         if self._mine() and self._layer_stack:
             self._layer_stack.pop()
 
-    def _mixer_pre_hook(self, located):
-        def hook(module, args, kwargs):
-            if not self._mine():
-                return
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            mask = kwargs.get("attention_mask")
-            if mask is None and len(args) > 2:
-                mask = args[2]
-            if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
-                mask = None  # the mixers only ever use a 2-D padding mask
-            options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
-            self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask), options=options))
+    def _on_mixer_pre(self, located, module, args, kwargs):
+        if not self._mine():
+            return
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        mask = kwargs.get("attention_mask")
+        if mask is None and len(args) > 2:
+            mask = args[2]
+        if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
+            mask = None  # the mixers only ever use a 2-D padding mask
+        options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
+        self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask), options=options))
 
-        return hook
+    def _on_mixer_post(self, located, module, args, kwargs, output):
+        if self._mine():
+            self._last_call(located).output = self._keep(output[0] if isinstance(output, tuple) else output)
 
-    def _mixer_post_hook(self, located):
-        def hook(module, args, kwargs, output):
-            if self._mine():
-                self._last_call(located).output = self._keep(output[0] if isinstance(output, tuple) else output)
+    def _on_hooked_input(self, located, name, module, args, kwargs):
+        if self._mine():
+            self._last_call(located).hooked.append([name, module, (self._keep_all(args), self._keep_all(kwargs)),
+                                                    None])  # the output is filled in by the post-hook
 
-        return hook
-
-    def _hooked_input_hook(self, located, name):
-        def hook(module, args, kwargs):
-            if self._mine():
-                self._last_call(located).hooked.append([name, module, (self._keep_all(args), self._keep_all(kwargs)),
-                                                        None])  # the output is filled in by the post-hook
-
-        return hook
-
-    def _hooked_output_hook(self, located, name):
-        def hook(module, args, output):
-            if self._mine():
-                for entry in reversed(self._last_call(located).hooked):
-                    if entry[0] == name and entry[3] is None:
-                        entry[3] = output.detach() if torch.is_tensor(output) else output
-                        break
-
-        return hook
+    def _on_hooked_output(self, located, name, module, args, output):
+        if self._mine():
+            for entry in reversed(self._last_call(located).hooked):
+                if entry[0] == name and entry[3] is None:
+                    entry[3] = output.detach() if torch.is_tensor(output) else output
+                    break
 
     @staticmethod
     def _keep_all(values):
@@ -244,12 +276,9 @@ class LayerCapture(contextlib.AbstractContextManager):
             return {k: keep(v) for k, v in values.items()}
         return tuple(keep(v) for v in values)
 
-    def _out_proj_hook(self, located):
-        def hook(module, args, output):
-            if self._mine():
-                self._last_call(located).unfused = True
-
-        return hook
+    def _on_out_proj(self, located, module, args, output):
+        if self._mine():
+            self._last_call(located).unfused = True
 
     def _last_call(self, located) -> MixerCall:
         for call in reversed(self.trace.mixer_calls):
@@ -270,31 +299,36 @@ class LayerCapture(contextlib.AbstractContextManager):
             scaling, options, self._keep(attn_out)))
 
     # -- context manager ------------------------------------------------------------------------------------
+    def _hook(self, module: nn.Module, pre: bool, method: str, *bound, **options):
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self._handles.append(register(_trampoline(self, method, *bound), **options))
+
     def __enter__(self):
         self._thread = threading.get_ident()
+        self._closed = False
         self._captures = open_captures()  # the list of the opening thread, whichever thread removes the hooks
         self._captures.append(self)
         try:
+            if self.embeddings is not None:
+                self._hook(self.embeddings, False, "_on_embedding")
             for index, layer in enumerate(self.decoder_layers):
-                self._handles.append(layer.register_forward_pre_hook(self._layer_pre_hook(index), with_kwargs=True))
-                self._handles.append(layer.register_forward_hook(self._layer_post_hook))
+                self._hook(layer, True, "_on_layer_pre", index, with_kwargs=True)
+                self._hook(layer, False, "_on_layer_post")
             for located in self.mixers:
                 module = located.module
                 # The rebuild runs submodules without hooks: where the user's hooks sit, record what the submodule
                 # received before them and gave after them, so that a hook that changes outputs is detected.
                 for name, sub in module.named_modules():
                     if sub is not module and (sub._forward_hooks or sub._forward_pre_hooks):
-                        self._handles.append(sub.register_forward_pre_hook(self._hooked_input_hook(located, name),
-                                                                           prepend=True, with_kwargs=True))
-                        self._handles.append(sub.register_forward_hook(self._hooked_output_hook(located, name)))
-                self._handles.append(module.register_forward_pre_hook(self._mixer_pre_hook(located), with_kwargs=True))
+                        self._hook(sub, True, "_on_hooked_input", located, name, prepend=True, with_kwargs=True)
+                        self._hook(sub, False, "_on_hooked_output", located, name)
+                self._hook(module, True, "_on_mixer_pre", located, with_kwargs=True)
                 # prepend: the mixer's own output, before any hook of the user's changes it (the operator describes
                 # the mixer; a hook's change acts downstream, where the gradients see it)
-                self._handles.append(module.register_forward_hook(self._mixer_post_hook(located), with_kwargs=True,
-                                                                  prepend=True))
+                self._hook(module, False, "_on_mixer_post", located, with_kwargs=True, prepend=True)
                 out_proj = getattr(module, "out_proj", None)
                 if isinstance(out_proj, nn.Module):
-                    self._handles.append(out_proj.register_forward_hook(self._out_proj_hook(located)))
+                    self._hook(out_proj, False, "_on_out_proj", located)
             if self.record_attention:
                 ATTENTION_PATCH.__enter__()
                 self._attention_patched = True
@@ -304,6 +338,7 @@ class LayerCapture(contextlib.AbstractContextManager):
         return self
 
     def _remove(self):
+        self._closed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -54,6 +54,25 @@ def index_list(value, name: str) -> list[int]:
     return [int(item) for item in items]
 
 
+def is_int(value) -> bool:
+    """A Python / numpy integer or a 0-D integer tensor; not a bool."""
+    return _is_int(value)
+
+
+def check_forward_devices(kwargs: dict, device, model: nn.Module) -> None:
+    """Tensor forward arguments (``position_ids``, ...) must be on the inputs' device (unless accelerate moves them).
+
+    Raises:
+        ValueError: naming the argument and the fix.
+    """
+    if _accelerate_dispatched(model):
+        return
+    for name, value in kwargs.items():
+        if torch.is_tensor(value) and value.device != torch.device(device):
+            raise ValueError(f"mamba_captum: {name} is on {value.device}, the inputs on {device}; move it with "
+                             f"{name}.to({str(device)!r}).")
+
+
 def _is_int(value) -> bool:
     if isinstance(value, bool) or (torch.is_tensor(value) and value.dtype == torch.bool):
         return False
@@ -205,6 +224,20 @@ def check_finite(tensor: torch.Tensor, what: str, model: nn.Module | None = None
 _FORWARD_KWARGS = ("return_dict", "cache_position", "num_items_in_batch", "output_hidden_states", "output_attentions",
                    "output_router_logits", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
                    "position_ids", "is_causal", "seq_idx")
+
+
+def underlying_forward(model: nn.Module):
+    """The ``forward`` whose signature says what ``model`` reads: through ``torch.compile``'s wrapper (``_orig_mod``)
+    and PEFT's ``PeftModel`` (its base model), whose own forwards take ``*args, **kwargs`` and pass them on."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            model = inner
+        elif type(model).__module__.startswith("peft.") and callable(getattr(model, "get_base_model", None)):
+            model = model.get_base_model()
+    return model.forward
 
 
 def accepted_keywords(function) -> set[str] | None:

@@ -266,8 +266,19 @@ def main(argv=None) -> int:
         return 2
     import transformers
 
+    # main() may be called from a user's program: transformers' logging settings are put back on the way out
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
     transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
     transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
+    try:
+        return _run(args)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
+
+
+def _run(args) -> int:
     try:
         {"demo": _demo, "explain": _explain, "matrices": _matrices}[args.command](args)
     except UsageError as error:

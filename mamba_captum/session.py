@@ -145,10 +145,27 @@ def eager_if_compiled(model: nn.Module, forward_func=None):
 
 
 @contextlib.contextmanager
+def returning_dicts(model: nn.Module):
+    """``config.return_dict = True`` on every config of the model while the context is open: several transformers
+    models read their inner model's outputs by name (``outputs.last_hidden_state``), which ``return_dict=False``
+    in the config breaks even when the outer call passes ``return_dict=True``. Each flag is put back on exit."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "return_dict", True) is False}
+    try:
+        for config in configs.values():
+            config.return_dict = True
+        yield
+    finally:
+        for config in configs.values():
+            config.return_dict = False
+
+
+@contextlib.contextmanager
 def session(model: nn.Module, decoder_layers: nn.Module, forward_func=None):
     """Everything around one of the library's calls on ``model``: the model's lock, what HF forwards change on the
     modules (RWKV's rescaling, RecurrentGemma's cached states) undone, gradient checkpointing off, compiled code
-    eager."""
+    eager, and (unless a ``forward_func`` reads the outputs itself) outputs returned as dicts."""
     with model_lock(decoder_layers), families.preserved_state(model), checkpointing_off(model), \
-            eager_if_compiled(model, forward_func):
+            eager_if_compiled(model, forward_func), \
+            (returning_dicts(model) if forward_func is None else contextlib.nullcontext()):
         yield

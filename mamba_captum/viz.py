@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .checks import index_list
+from .checks import check_mask, index_list
 from .session import session
 from captum.attr import LLMAttributionResult, TextTokenInput
 from captum.attr import visualization as captum_visualization
@@ -46,10 +46,12 @@ def to_visualization_record(relevance, tokens, *, attention_mask=None, pred_prob
     mask = None
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask)
-        if mask.numel() != batch.numel():
+        if tuple(mask.shape) != tuple(relevance.shape):
             raise ValueError(f"mamba_captum: attention_mask has shape {tuple(mask.shape)}; the relevance is "
-                             f"{tuple(relevance.shape)}: give one mask row per example.")
-        mask = mask.reshape(batch.shape).bool()
+                             f"{tuple(relevance.shape)}: give one mask row per example, of the same length.")
+        mask = mask.reshape(batch.shape)
+        check_mask(mask, *batch.shape, mask.device)  # 0 / 1 only, a real token in every row
+        mask = mask.bool()
 
     def pick(value, index):
         return value[index] if isinstance(value, (list, tuple)) or (torch.is_tensor(value) and value.dim()) \
@@ -91,6 +93,7 @@ def generation_queries(method, inp, target, tokenizer, gen_args):
         options = {"max_new_tokens": 25, "do_sample": False, **(gen_args or {})}
         with torch.no_grad(), session(method.model, method._runner.decoder_layers):
             generated = method.model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
+        generated = getattr(generated, "sequences", generated)  # return_dict_in_generate: a GenerateOutput
         target_ids = generated[0, prompt.shape[1]:]
     elif isinstance(target, str):
         if tokenizer is None:

@@ -9,8 +9,10 @@ import importlib
 import pickle
 import threading
 
+import numpy as np
 import pytest
 import torch
+from conftest import relative_error
 from test_engine import assert_untouched, model_state
 from test_identities import liven, padded_batch
 from tiny_models import CONFIGS, RECURRENT_CONFIGS, VOCAB, make_model
@@ -691,3 +693,187 @@ def test_hooks_that_change_a_projection_slightly_are_caught_and_mixer_output_hoo
     handle.remove()
     assert maps_equal(steered, plain)  # the mixer's own operator; the added vector acts downstream
     assert torch.isfinite(relevance).all()
+
+
+# -- found by probing (issue 16's closing note lists them) -----------------------------------------------------------
+def left_padded_ids(batch=2, length=6, pads=3, seed=0):
+    ids = torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    ids[0, :pads], mask[0, :pads] = 0, 0
+    return ids, mask
+
+
+def test_a_compiled_models_positional_mask_is_the_explanations_mask(mamba):
+    ids, mask = left_padded_ids()
+    expected = mc.MambaAttribution(mamba).attribute(ids, target=3, attention_mask=mask)
+    compiled = torch.compile(mamba, backend="eager")
+    got = mc.MambaAttribution(compiled).attribute(ids, target=3, additional_forward_args=(mask,))
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert bool((got[0, :3] == 0).all())  # the pads get nothing
+
+
+def test_positional_arguments_of_a_star_args_forward_are_refused():
+    model = make_model("mamba")
+
+    class Wrapper(torch.nn.Module):  # a forward that takes *args cannot be bound by name
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    ids, mask = left_padded_ids()
+    with pytest.raises(TypeError, match=r"takes \*args"):
+        mc.MambaRollout(Wrapper()).attribute(ids, additional_forward_args=(mask,))
+
+
+@pytest.mark.parametrize("wrap", ["compile", "peft"])
+def test_misspelt_keywords_are_refused_through_compile_and_peft(wrap):
+    model = make_model("jamba")
+    if wrap == "compile":
+        model = torch.compile(model, backend="eager")
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["in_proj"]))
+    ids, mask = left_padded_ids()
+    with pytest.raises(TypeError, match="formulation"):
+        mc.implicit_attention(model, ids, formulaton="hidden")
+    with pytest.raises(TypeError, match="gradient_rule"):
+        mc.MambaAttribution(model).attribute(ids, target=3, gradient_rul="residual")
+    with pytest.raises(TypeError, match="attention_mask"):
+        mc.MambaAttribution(model).attribute(ids, target=3, atention_mask=mask)
+
+
+def test_a_forward_func_that_adds_drops_or_reorders_tokens_is_refused():
+    model = make_model("mamba")
+    ids, _ = left_padded_ids(pads=0)
+    prefix, suffix = torch.full((2, 2), 5), torch.full((2, 3), 7)
+    template = lambda x, **kw: model(torch.cat([prefix, x, suffix], 1)).logits[:, -1]  # noqa: E731
+    truncating = lambda x, **kw: model(x[:, :4]).logits[:, -1]  # noqa: E731
+    swapping = lambda x, **kw: model(x.flip(0)).logits[:, -1].flip(0)  # noqa: E731 (scores un-permuted)
+    for forward_func in (template, truncating):
+        for method, options in ((mc.MambaAttribution, {}), (mc.MambaAttribution, {"gradient_rule": "residual"}),
+                                (mc.MambaRollout, {}), (mc.MambaRawAttention, {})):
+            with pytest.raises(ValueError, match="saw 2 sequences"):
+                method(model, forward_func=forward_func).attribute(ids, target=3, **options)
+    with pytest.raises(ValueError, match="other token ids"):
+        mc.MambaAttribution(model, forward_func=swapping).attribute(ids, target=3)
+    assert_untouched(model, model_state(make_model("mamba")))
+
+
+def test_zamba2_frozen_embeddings_give_the_same_attribution():
+    model = make_model("zamba2", seed=3)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    results = []
+    for frozen in (False, True):
+        model.get_input_embeddings().requires_grad_(not frozen)
+        results.append([mc.MambaAttribution(model).attribute(ids, target=5, gradient_rule="residual"),
+                        mc.MambaAttribution(model).attribute(ids, target=5, recipe="official", start_layer=0)])
+        embeds = model.get_input_embeddings()(ids).detach()
+        results[-1].append(mc.MambaAttribution(model).attribute(embeds, target=5, gradient_rule="residual"))
+    model.get_input_embeddings().requires_grad_(True)
+    for trainable, frozen in zip(*results):
+        assert relative_error(frozen, trainable) < 1e-6
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_rwkv_half_precision_weights_come_back_bit_for_bit():
+    model = make_model("rwkv", dtype=torch.float16)
+    with torch.no_grad():  # values that HF's in-place division by 2^k turns into float16 subnormals
+        model.rwkv.blocks[3].attention.output.weight[0, :4] = torch.tensor([2.0 ** -24, 3 * 2.0 ** -24, 2.0 ** -20,
+                                                                             1e-7], dtype=torch.float16)
+    before = model_state(model)
+    ids = torch.randint(3, VOCAB, (1, 5))
+    mc.implicit_attention(model, ids)
+    mc.MambaAttribution(model).attribute(ids, target=3)
+    assert_untouched(model, before)
+    assert model.rwkv.layers_are_rescaled is False
+
+
+def test_generation_with_a_dict_output_config():
+    model = make_model("mamba")
+    prompt = torch.randint(3, VOCAB, (1, 4))
+    plain = mc.MambaRollout(model).attribute_generation(prompt, gen_args=dict(max_new_tokens=2))
+    as_dict = mc.MambaRollout(model).attribute_generation(prompt, gen_args=dict(max_new_tokens=2,
+                                                                                return_dict_in_generate=True))
+    assert torch.equal(as_dict.token_attr, plain.token_attr)
+
+
+@pytest.mark.parametrize("family, targets", [("bamba", ["out_proj"]), ("jamba", ["in_proj", "x_proj"]),
+                                             ("rwkv", ["key", "value"]), ("recurrent_gemma", ["linear_x"])])
+def test_lora_dropout_in_train_mode_is_refused_with_the_fix(family, targets):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model(family), LoraConfig(r=4, target_modules=targets, lora_dropout=0.3)).train()
+    ids = torch.randint(3, VOCAB, (2, 6))
+    with pytest.raises(ValueError, match=r"lora_dropout.*eval\(\) mode"):
+        mc.implicit_attention(model, ids)
+    model.eval()
+    mc.implicit_attention(model, ids)  # no dropout in eval mode: explained
+
+
+def test_the_cli_puts_transformers_logging_back():
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    from mamba_captum.cli import main
+
+    verbosity, bars = transformers.logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    assert main(["explain", "--model", "/nonexistent", "--text", "hi"]) == 2
+    assert transformers.logging.get_verbosity() == verbosity and hf_logging.is_progress_bar_enabled() == bars
+
+
+def test_visualization_record_refuses_a_transposed_or_soft_mask():
+    relevance, tokens = torch.rand(2, 3), [["a", "b", "c"], ["d", "e", "f"]]
+    mask = torch.tensor([[0, 0, 1], [1, 1, 1]])
+    with pytest.raises(ValueError, match="shape"):
+        mc.to_visualization_record(torch.rand(3, 2), [["a", "b"]] * 3, attention_mask=mask)
+    with pytest.raises(ValueError, match="0 \\(padding\\) and 1"):
+        mc.to_visualization_record(relevance, tokens, attention_mask=mask * 0.5)
+    assert mc.to_visualization_record(relevance, tokens, attention_mask=mask)[0].raw_input_ids == ["c"]
+
+
+@pytest.mark.parametrize("family", ["jamba", "recurrent_gemma", "zamba2", "bamba"])
+def test_return_dict_false_in_the_config_is_explained_and_put_back(family):
+    model = make_model(family, return_dict=False)
+    ids = torch.randint(3, VOCAB, (1, 6))
+    expected = mc.MambaAttribution(make_model(family)).attribute(ids, target=3)
+    assert torch.allclose(mc.MambaAttribution(model).attribute(ids, target=3), expected)
+    mc.implicit_attention(model, ids)
+    assert model.config.return_dict is False
+
+
+def test_a_copy_of_the_model_made_during_a_call_sheds_the_librarys_hooks():
+    model = make_model("mamba")
+    copies = []
+
+    def forward_func(ids, **kwargs):
+        copies.append(copy.deepcopy(model))
+        return model(ids, **kwargs).logits[:, -1]
+
+    ids = torch.randint(3, VOCAB, (2, 6))
+    mc.MambaAttribution(model, forward_func=forward_func).attribute(ids, target=3)
+    hooks = lambda m: sum(len(s._forward_hooks) + len(s._forward_pre_hooks) for s in m.modules())  # noqa: E731
+    assert hooks(model) == 0
+    with torch.no_grad():
+        copies[0](ids)  # the copied hooks do nothing and drop themselves on the copy's first run
+    assert hooks(copies[0]) == 0
+    assert torch.equal(copies[0](ids).logits, model(ids).logits)
+
+
+def test_forward_arguments_on_another_device_are_refused():
+    model = make_model("jamba")
+    ids = torch.randint(3, VOCAB, (1, 6))
+    positions = torch.arange(6, device="meta")[None]
+    with pytest.raises(ValueError, match="position_ids is on meta"):
+        mc.implicit_attention(model, ids, position_ids=positions)
+    with pytest.raises(ValueError, match="position_ids is on meta"):
+        mc.MambaRollout(model).attribute(ids, position_ids=positions)
+
+
+def test_numpy_integer_targets_are_targets(mamba):
+    ids = torch.randint(3, VOCAB, (2, 6))
+    expected = mc.MambaAttribution(mamba).attribute(ids, target=[3, 3])
+    assert torch.equal(mc.MambaAttribution(mamba).attribute(ids, target=[np.int64(3), np.int64(3)]), expected)

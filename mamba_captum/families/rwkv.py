@@ -93,32 +93,44 @@ def preserved_rescaling(model):
     ``RwkvModel.forward`` divides ``attention.output`` and ``feed_forward.value`` weights of block i in place by
     2^(i // rescale_every) on the first eval forward (and multiplies them back on a train forward) and flips
     ``layers_are_rescaled``. Inside this context the real forward still runs as HF runs it (the explained output is
-    the one the user gets); on exit any flip made here is undone by the exact inverse power-of-two scaling, so the
-    user's next forward rescales once, as it would have without the library.
+    the one the user gets); on exit the weights a flip changed are copied back from a snapshot taken before (an
+    inverse scaling would not be exact where the division rounded into float16 subnormals), so the user's next
+    forward rescales once, as it would have without the library.
     """
     models = [m for m in model.modules() if hasattr(m, "layers_are_rescaled") and hasattr(m, "blocks")]
     before = [m.layers_are_rescaled for m in models]
+    # HF flips when training == layers_are_rescaled: snapshot the weights it will scale (factor > 1 only)
+    snapshots = [_snapshot(m) if m.training == m.layers_are_rescaled else None for m in models]
     try:
         yield
     finally:
-        for module, was_rescaled in zip(models, before):
+        for module, was_rescaled, snapshot in zip(models, before, snapshots):
             if module.layers_are_rescaled != was_rescaled:
-                _undo_rescaling(module, was_rescaled)
+                _restore(module, was_rescaled, snapshot)
 
 
-def _undo_rescaling(module, was_rescaled: bool):
+def _rescaled_linears(module):
     every = module.config.rescale_every
-    if every > 0:
-        with torch.no_grad():
-            for index, block in enumerate(module.blocks):
-                for linear in (block.attention.output, block.feed_forward.value):
-                    if hasattr(linear.weight, "SCB") or hasattr(linear.weight, "quant_state"):
-                        raise NotImplementedError(
-                            "mamba_captum: this RWKV model is quantized and was rescaled by its own forward; the "
-                            "library cannot undo that exactly. Run one forward pass in eval mode before explaining.")
-                    factor = 2 ** (index // every)
-                    if was_rescaled:  # a train-mode forward multiplied the weights back
-                        linear.weight.div_(factor)
-                    else:  # an eval-mode forward divided them
-                        linear.weight.mul_(factor)
+    if every <= 0:
+        return []
+    return [linear for index, block in enumerate(module.blocks) if index // every > 0
+            for linear in (block.attention.output, block.feed_forward.value)]
+
+
+def _snapshot(module) -> list | None:
+    """Copies of the weights a rescaling changes; None for quantized weights (which cannot be copied back)."""
+    linears = _rescaled_linears(module)
+    if any(hasattr(linear.weight, "SCB") or hasattr(linear.weight, "quant_state") for linear in linears):
+        return None
+    return [(linear.weight, linear.weight.detach().clone()) for linear in linears]
+
+
+def _restore(module, was_rescaled: bool, snapshot):
+    if snapshot is None and _rescaled_linears(module):
+        raise NotImplementedError(
+            "mamba_captum: this RWKV model is quantized and was rescaled by its own forward; the library cannot undo "
+            "that exactly. Run one forward pass in eval mode before explaining.")
+    with torch.no_grad():
+        for weight, saved in snapshot or ():
+            weight.copy_(saved)
     module.layers_are_rescaled = was_rescaled
