@@ -8,11 +8,13 @@ import torch
 from . import families
 from .capture import LayerCapture
 from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords, check_mask, index_list,
+                     check_forward_devices, underlying_forward,
                      nonfinite_parameters, unwrap_parallel)
 from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, SumOperator, operator_output_grad
 from .session import session
+from .vision.layout import check_pixels, vision_layout
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
@@ -155,6 +157,23 @@ def _check_hooked(name: str, call, dtype: torch.dtype):
                 "output instead (changes there act downstream of the operator and are explained correctly).")
 
 
+def _check_no_dropout(name: str, mixer) -> None:
+    """A token mixer in train() mode must not drop anything at random (e.g. PEFT's lora_dropout on a projection):
+    the rebuild runs the projections again and would draw another mask.
+
+    Raises:
+        ValueError: naming the dropout module and the fix.
+    """
+    if not mixer.training:
+        return
+    active = [path for path, sub in mixer.named_modules()
+              if isinstance(sub, torch.nn.modules.dropout._DropoutNd) and sub.p > 0 and sub.training]
+    if active:
+        raise ValueError(f"mamba_captum: {name} drops activations at random in train() mode ({active[0]}, "
+                         f"p={mixer.get_submodule(active[0]).p}): the values it used cannot be recovered. Explain the "
+                         "model in eval() mode.")
+
+
 def _layer_indices(layers, count: int):
     if layers is None:
         return None
@@ -196,14 +215,18 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     kept = families.parse_components(components, formulation)
     decoder_layers, mixers = families.locate(model)
     layers = _layer_indices(layers, len(decoder_layers))
-    if input_ids is not None:
-        forward_kwargs["input_ids"] = input_ids
-    if attention_mask is not None:
-        forward_kwargs["attention_mask"] = attention_mask
-    forward_kwargs["use_cache"] = False  # no cache: it changes no output, and nothing continues from it
+    args = ()
+    if vision_layout(model) is not None:  # an image model: model(pixel_values, ...)
+        args = (input_ids,)
+    else:
+        if input_ids is not None:
+            forward_kwargs["input_ids"] = input_ids
+        if attention_mask is not None:
+            forward_kwargs["attention_mask"] = attention_mask
+        forward_kwargs["use_cache"] = False  # no cache: it changes no output, and nothing continues from it
     families.check_forward(mixers, attention_mask, forward_kwargs)
     with fast_scans(model), LayerCapture(decoder_layers, mixers, layers) as capture:
-        output = model(**forward_kwargs)
+        output = model(*args, **forward_kwargs)
     check_recorded(capture.trace, mixers, layers)
     return capture.trace, output, decoder_layers, kept
 
@@ -212,12 +235,20 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     """(B, L) of valid inputs; see :mod:`mamba_captum.checks`. An unsupported model is refused first."""
     families.locate(model)
     options = [n for n in inspect.signature(implicit_attention).parameters if n != "forward_kwargs"]
-    check_keywords(forward_kwargs, model.forward, options, where)
+    check_keywords(forward_kwargs, underlying_forward(model), options, where)
+    layout = vision_layout(model)
+    if layout is not None:  # pixels (B, C, H, W) in, L = patches + CLS tokens
+        if attention_mask is not None:
+            raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
+        batch = check_pixels(model, input_ids, layout)
+        check_forward_devices(forward_kwargs, input_ids.device, model)
+        return batch, layout.length
     for name in ("logits_to_keep", "num_logits_to_keep", "return_dict"):
         forward_kwargs.pop(name, None)  # the maps need no logits; outputs are not read
     batch, length = check_inputs(model, input_ids, forward_kwargs.get("inputs_embeds"))
     source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
     check_mask(attention_mask, batch, length, source.device)
+    check_forward_devices(forward_kwargs, source.device, model)
     return batch, length
 
 
@@ -264,6 +295,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
                                      token_mask, module=call.module, layer_input=call.value)
         for call in mixer_calls.get(index, ()):
+            _check_no_dropout(f"layer {index} ({call.located.name})", call.located.module)
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             _check_hooked(f"layer {index} ({call.located.name})", call, dtype)

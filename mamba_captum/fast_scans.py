@@ -43,16 +43,40 @@ def _thread_depth() -> dict:
     return thread_state("fast_scans", dict)
 
 
+def _fast_scan_for(u: torch.Tensor, mamba_ssm_scan):
+    """The fastest exact scan for ``u``'s device and dtype: mamba-ssm's (``mamba_ssm_scan``) on CUDA when installed,
+    else Triton on CUDA (not float64), else the chunked torch scan."""
+    if u.device.type == "cuda":
+        if _has_mamba_ssm():
+            return mamba_ssm_scan()
+        if triton_available() and u.dtype != torch.float64:
+            return selective_scan_triton
+    return selective_scan_chunked
+
+
+def _mamba_ssm_selective_scan():
+    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+
+    return selective_scan_fn
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+    """mamba-ssm's ``selective_scan_fn`` on the fastest exact implementation for the inputs' device (mamba-ssm's
+    CUDA kernel when installed, Triton on CUDA, the chunked torch scan elsewhere); differentiable. The library's own
+    models (:mod:`mamba_captum.vision`) run their scans through it.
+
+    Shapes: u, delta (B, D, L); A (D, N); B, C (B, N, L); D (D,) or None; z (B, D, L) or None; returns y (B, D, L)
+    in u's dtype.
+    """
+    scan = _fast_scan_for(u, _mamba_ssm_selective_scan)
+    return scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+
+
 def _dispatcher(path, original):
     def mamba_selective_scan(hidden_states, *args, **kwargs):
         if not _thread_depth().get(path):  # a thread outside fast_scans(): HF's own function
             return original(hidden_states, *args, **kwargs)
-        if hidden_states.device.type == "cuda":
-            if _has_mamba_ssm():
-                return original(hidden_states, *args, **kwargs)
-            if triton_available() and hidden_states.dtype != torch.float64:
-                return selective_scan_triton(hidden_states, *args, **kwargs)
-        return selective_scan_chunked(hidden_states, *args, **kwargs)
+        return _fast_scan_for(hidden_states, lambda: original)(hidden_states, *args, **kwargs)
 
     mamba_selective_scan.original = original
     return mamba_selective_scan

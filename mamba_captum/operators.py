@@ -152,6 +152,18 @@ class SelectiveOperator(_CastMixin):
                                  self.delta.shape[1])
         return _mask_rows_cols(out, self.mask, rows)
 
+    def diagonal(self) -> torch.Tensor:
+        """The per-channel diagonal H_c[i, i] (B, L, D): row · α[i, i] · col · w[K−1], α[i, i] = Δ_i (C_i · B_i)."""
+        diag = torch.ones_like(self.delta)
+        if self.s6:
+            diag = self.delta * (self.C * self.B).sum(-1, keepdim=True)
+        for weight in (self.row_weight, self.col_weight):
+            if weight is not None:
+                diag = diag * weight
+        if self.conv_weight is not None:
+            diag = diag * self.conv_weight[:, -1]
+        return diag if self.mask is None else diag * self.mask[:, :, None]
+
     def maps(self, reduce="mean", rows=None):
         if self.s6:
             out = selective_maps(self.delta, self.A, self.B, self.C, row_weight=self.row_weight,
@@ -161,6 +173,73 @@ class SelectiveOperator(_CastMixin):
             out = banded_maps(ones if self.row_weight is None else self.row_weight,
                               ones if self.col_weight is None else self.col_weight, self.conv_weight, rows, reduce)
         return _mask_rows_cols(out, self.mask, rows)
+
+
+@dataclass
+class BidirectionalOperator:
+    """A causal operator and one run over the reversed sequence (Vim's bimamba v2 mixer), summed:
+    ``H = H_fwd + J H_bwd J`` with J the token reversal. Non-causal: H_fwd fills the lower triangle, J H_bwd J the
+    upper one, both the diagonal.
+
+    ``backward`` holds its tensors in reversed token order (it is the causal operator of the reversed sequence);
+    every result is returned in the sequence's order. The operator's output stacks the two directions' outputs in
+    the sequence's order, (B, L, 2, D), and ``readout`` maps that stack (float64) to the mixer output.
+    """
+
+    forward: SelectiveOperator
+    backward: SelectiveOperator
+    readout: Callable | None = field(default=None, repr=False)
+
+    def to(self, dtype: torch.dtype):
+        return replace(self, forward=self.forward.to(dtype), backward=self.backward.to(dtype))
+
+    @property
+    def output(self) -> torch.Tensor:
+        return torch.stack([self.forward.output, self.backward.output.flip(1)], dim=2)
+
+    @property
+    def channels(self) -> int:
+        return self.forward.channels
+
+    @property
+    def value_channels(self) -> int:
+        return self.forward.value_channels
+
+    @property
+    def length(self) -> int:
+        return self.forward.delta.shape[1]
+
+    def _rows(self, rows):
+        return None if rows is None else torch.as_tensor(rows, dtype=torch.long, device=self.forward.delta.device)
+
+    def _reversed_rows(self, rows):
+        return None if rows is None else self.length - 1 - rows
+
+    def _unreverse(self, backward_result: torch.Tensor, rows) -> torch.Tensor:
+        """J H_bwd J from H_bwd's rows ``L − 1 − rows``: columns (and, for all rows, rows) back in sequence order."""
+        return backward_result.flip(-1) if rows is not None else backward_result.flip(-2, -1)
+
+    def maps(self, reduce="mean", rows=None):
+        rows = self._rows(rows)
+        forward = self.forward.maps(reduce, rows)
+        backward = self._unreverse(self.backward.maps(reduce, self._reversed_rows(rows)), rows)
+        out = forward + backward
+        if reduce == "abs_mean":
+            # The two triangles meet on the diagonal, where the channels' entries add before |·|: replace the sum
+            # of the two means of |·| there by the mean of |sum| (exact; the diagonals are cheap, (B, L, D)).
+            front, back = self.forward.diagonal(), self.backward.diagonal().flip(1)
+            fix = (front + back).abs().mean(-1) - front.abs().mean(-1) - back.abs().mean(-1)  # (B, L)
+            index = torch.arange(self.length, device=fix.device) if rows is None else rows
+            out[:, torch.arange(len(index), device=fix.device), index] += fix[:, index].to(out.dtype)
+        return out
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_c g_c[i] · H_c[i, j] · x_c[j] over both directions: (B, L, L) or (B, R, L). grad: (B, L, 2, D), the
+        gradient with respect to :attr:`output`."""
+        rows = self._rows(rows)
+        forward = self.forward.contributions(grad[:, :, 0], rows)
+        backward = self.backward.contributions(grad[:, :, 1].flip(1), self._reversed_rows(rows))
+        return forward + self._unreverse(backward, rows)
 
 
 @dataclass

@@ -71,3 +71,27 @@ def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementat
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+# A tiny Vision Mamba (mamba_captum.vision): 32×32 images, 8-pixel patches (a 4×4 grid + the CLS token: L = 17).
+VIM = dict(depth=2, embed_dim=12, d_state=4, img_size=32, patch_size=8, num_classes=5)
+
+
+def make_vim(seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random Vim in eval mode, its Δ, D and conv biases spread so that every factor of the operator matters
+    (a random init leaves the gates and decays nearly uniform)."""
+    from mamba_captum.vision import vim_tiny
+
+    torch.manual_seed(seed)
+    model = vim_tiny(**{**VIM, **overrides})
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in model.layers:
+            mixer = block.mixer
+            mixer.in_proj.weight.mul_(4.0)
+            for name in ("dt_proj", "dt_proj_b"):
+                getattr(mixer, name).bias.uniform_(-2.0, 1.0, generator=generator)
+            for parameter in (mixer.D, mixer.D_b, mixer.conv1d.bias, mixer.conv1d_b.bias):
+                parameter.uniform_(-1.0, 1.0, generator=generator)
+            block.norm.weight.uniform_(0.5, 1.5, generator=generator)
+    return model.to(dtype).eval()

@@ -143,10 +143,10 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
             a 1-tuple when ``inputs`` was a tuple.
         """
-        inputs_tensor, was_tuple = format_inputs(inputs)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs)
-        return as_attributions(relevance[0], inputs_tensor, was_tuple)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
 
     def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
                              start_layer=None, reduce="mean", components=None, recipe="product", **kwargs):
@@ -170,6 +170,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         """
         from ..viz import generation_queries, generation_result
 
+        if self._runner.layout is not None:
+            raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "
+                            "none: use attribute(pixel_values, target=...).")
         for name in ("position", "attention_mask", "additional_forward_args"):
             if name in kwargs:
                 raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "

@@ -15,23 +15,55 @@ import torch
 from .. import families
 from ..attention import FORMULATIONS, _operators, check_recorded
 from ..capture import LayerCapture
-from ..checks import check_finite, check_inputs, check_keywords, check_mask, index_list, single_index
+from ..checks import (check_finite, check_forward_devices, check_inputs, check_keywords, check_mask, index_list,
+                      is_int, single_index, underlying_forward)
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
+from ..vision.layout import check_pixels, vision_layout
 
 
 @dataclass
 class Query:
-    """One explained output: the query row per example and, for class-specific methods, the target per example."""
+    """One explained output: the query row per example and, for class-specific methods, the target per example.
 
-    positions: torch.Tensor  # (B,) long, the query token of each example
+    A pooled head (an image model that reads the mean over its tokens) has no single query row: ``weights`` (B, L)
+    says how it reads the rows, and every row-based result is the ``weights``-combination of the rows (rollout and
+    raw attention are linear in the query's one-hot vector)."""
+
+    positions: torch.Tensor  # (B,) long, the query token of each example (unused when ``weights`` is set)
     targets: torch.Tensor | None = None  # (B,) long, the explained class / next token of each example
+    weights: torch.Tensor | None = None  # (B, L) a pooled query: Σ_q weights[b, q] · row q
+    causal: bool = True  # False for non-causal models (Vim): every token is in the query's context
+
+    @property
+    def pooled(self) -> bool:
+        return self.weights is not None
 
     def context(self, mask: torch.Tensor) -> torch.Tensor:
-        """(B, L): 1 on the real tokens the query can see (j ≤ q, causal models). Min-max normalisations run over
-        these only, so a query in the middle of a sequence gets the result it gets as the last token."""
+        """(B, L): 1 on the real tokens the query can see (j ≤ q for causal models; all real tokens for non-causal
+        ones and pooled queries). Min-max normalisations run over these only, so a query in the middle of a causal
+        sequence gets the result it gets as the last token."""
+        if not self.causal or self.pooled:
+            return mask
         index = torch.arange(mask.shape[1], device=mask.device)
         return mask * (index[None, :] <= self.positions[:, None].to(mask.device)).to(mask.dtype)
+
+    def row_of(self, product, length: int) -> torch.Tensor:
+        """The query's row (B, L) of a :class:`RunningProduct` ρ: ``ρ[b, q_b]``, or ``weights[b] @ ρ[b]``."""
+        if self.weights is None:
+            return product.rows(self.positions, length)
+        return product.weighted_rows(self.weights)
+
+    def gather(self, rows_by_position: dict) -> torch.Tensor:
+        """Per example, the query's row from ``rows_by_position[p]`` (B, ...) (for a pooled query, the
+        ``weights``-combination of all of them) -> (B, ...)."""
+        if self.weights is None:
+            return gather_rows(rows_by_position, self.positions)
+        total = 0
+        for position, rows in rows_by_position.items():
+            weight = self.weights[:, position].to(rows.dtype)
+            total = total + weight.reshape(-1, *([1] * (rows.dim() - 1))) * rows
+        return total
 
 
 @dataclass
@@ -78,8 +110,9 @@ class Explained:
 
 
 # -- argument handling ---------------------------------------------------------------------------------------------
-def format_inputs(inputs):
-    """Captum's input forms -> (tensor, was_tuple). Token ids (B, L) or embeddings (B, L, D) (``inputs_embeds``)."""
+def format_inputs(inputs, image_model: bool = False):
+    """Captum's input forms -> (tensor, was_tuple). Token ids (B, L) or embeddings (B, L, D) (``inputs_embeds``);
+    pixels (B, C, H, W) for an image model (checked against the model by the runner)."""
     was_tuple = isinstance(inputs, tuple)
     if was_tuple:
         if len(inputs) != 1:
@@ -89,6 +122,8 @@ def format_inputs(inputs):
         inputs = inputs[0]
     if not torch.is_tensor(inputs):
         raise TypeError(f"mamba_captum: inputs must be a tensor (or a 1-tuple of one), got {type(inputs).__name__}.")
+    if image_model:
+        return inputs, was_tuple
     if inputs.is_floating_point():
         if inputs.dim() != 3:
             raise ValueError(f"mamba_captum: float inputs are embeddings (B, L, D); got shape {tuple(inputs.shape)}.")
@@ -149,7 +184,7 @@ def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
         target = target[0]
     if isinstance(target, list):
         target = [t[0] if isinstance(t, tuple) and len(t) == 1 else t for t in target]
-        if not all(isinstance(t, int) or (torch.is_tensor(t) and t.numel() == 1) for t in target):
+        if not all(is_int(t) or (torch.is_tensor(t) and t.numel() == 1) for t in target):
             raise TypeError(f"mamba_captum: target list must hold one int per example, got {target}.")
     try:
         targets = torch.as_tensor(target, device=scores.device)
@@ -194,6 +229,8 @@ class Runner:
     def refresh(self):
         """Find the decoder layers and mixers again: a layer replaced since the last call is the one explained."""
         self.decoder_layers, self.mixers = families.locate(self.model)
+        self.layout = vision_layout(self.model)  # an image model's tokens (None for token models)
+        self.causal = not any(getattr(m.adapter, "NONCAUSAL", False) for m in self.mixers)
 
     def close(self):
         """Remove the hooks of any capture still registered (the context-manager guarantee)."""
@@ -220,15 +257,20 @@ class Runner:
                 else (additional_forward_args,)
             extra = {}
             if self.forward_func is None and args:
-                if inputs.is_floating_point():
+                if inputs.is_floating_point() and self.layout is None:
                     raise TypeError("mamba_captum: with inputs_embeds, pass additional_forward_args as a dict of "
                                     "keywords.")
+                signature = inspect.signature(underlying_forward(self.model))
                 try:
-                    bound = inspect.signature(self.model.forward).bind_partial(inputs, *args).arguments
+                    bound = signature.bind_partial(inputs, *args).arguments
                 except TypeError as error:
                     raise TypeError(f"mamba_captum: additional_forward_args {len(args)} positional value(s) do not "
                                     f"fit {type(self.model).__name__}.forward after the inputs ({error}); pass a "
                                     "dict of keywords.") from None
+                if any(signature.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL for name in bound):
+                    raise TypeError(f"mamba_captum: {type(self.model).__name__}.forward takes *args, so the positional "
+                                    "additional_forward_args cannot be matched to its arguments; pass a dict of "
+                                    "keywords (e.g. {'attention_mask': mask}).")
                 extra, args = dict(list(bound.items())[1:]), ()
         twice = sorted(set(extra) & set(kwargs))
         if twice:
@@ -242,6 +284,9 @@ class Runner:
         if self.forward_func is not None:
             check_keywords(kwargs, self.forward_func, options, where)
             return args, kwargs, attention_mask
+        if self.layout is not None:  # an image model: model(pixel_values, **kwargs)
+            check_keywords(kwargs, underlying_forward(self.model), options, where)
+            return args, kwargs, attention_mask
         for name in ("input_ids", "inputs_embeds"):
             if name in kwargs:
                 raise ValueError(f"mamba_captum: pass the explained tokens as the inputs, not as {name}=.")
@@ -249,7 +294,7 @@ class Runner:
             if kwargs.get(name) not in (None, 0):
                 raise ValueError(f"mamba_captum: {name}= keeps the logits of the last positions only; the "
                                  "explanation reads the query position's logits: leave it out.")
-        check_keywords(kwargs, self.model.forward, options, where)
+        check_keywords(kwargs, underlying_forward(self.model), options, where)
         # No cache (it changes nothing in the outputs, and RWKV's in-place state breaks gradients); a ModelOutput
         # whatever config.return_dict says, so that the logits are found by name.
         kwargs.update(use_cache=False, return_dict=True)
@@ -260,18 +305,21 @@ class Runner:
             kwargs = {**kwargs, "attention_mask": attention_mask}
         if self.forward_func is not None:
             return self.forward_func(inputs, *args, **kwargs)
-        if inputs.is_floating_point():
+        if inputs.is_floating_point() and self.layout is None:
             return self.model(inputs_embeds=inputs, **kwargs)
         return self.model(inputs, **kwargs)
 
     def _scores(self, output, inputs, positions, mask, attention_mask):
         """The (B, K) explained scores and the query positions (B,) they come from."""
-        batch, length = inputs.shape[:2]
-        if self.forward_func is not None:
+        batch, length = inputs.shape[0], mask.shape[1]
+        if self.layout is not None and self.forward_func is None:  # an image classifier returns its logits
+            output = getattr(output, "logits", output)
+        if self.forward_func is not None or self.layout is not None:
             scores = output
             if not torch.is_tensor(scores) or scores.dim() != 2 or scores.shape[0] != batch:
                 shape = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
-                raise ValueError(f"mamba_captum: forward_func must return (B, K) scores, one row per example "
+                who = "forward_func" if self.forward_func is not None else type(self.model).__name__
+                raise ValueError(f"mamba_captum: {who} must return (B, K) scores, one row per example "
                                  f"(B = {batch}); got {shape}.")
             return scores, positions
         logits = getattr(output, "logits", None)
@@ -322,26 +370,38 @@ class Runner:
                                "forward pass).")
         args, kwargs, attention_mask = self._arguments(inputs, attention_mask, additional_forward_args,
                                                        forward_kwargs, options, where)
-        if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
-            check_inputs(self.model, None if inputs.is_floating_point() else inputs,
-                         inputs if inputs.is_floating_point() else None)
-        mask = format_mask(attention_mask, inputs)
-        if position is not None and self.is_classifier:
-            raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
-                             "explains its pooled (last non-pad) token.")
-        positions = format_positions(position, mask)
+        if self.layout is not None:
+            mask, positions = self._image_query(inputs, attention_mask, position)
+        else:
+            if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
+                check_inputs(self.model, None if inputs.is_floating_point() else inputs,
+                             inputs if inputs.is_floating_point() else None)
+            mask = format_mask(attention_mask, inputs)
+            if position is not None and self.is_classifier:
+                raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
+                                 "explains its pooled (last non-pad) token.")
+            positions = format_positions(position, mask)
+        if self.forward_func is None:
+            check_forward_devices(kwargs, inputs.device, self.model)
         layers = list(range(start_layer, len(self.decoder_layers)))
+        embeddings = getattr(self.model, "get_input_embeddings", lambda: None)()
         capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
-                               record_residual=residual_grads)
+                               record_residual=residual_grads,
+                               embeddings=embeddings if isinstance(embeddings, torch.nn.Module) else None)
         families.check_forward(self.mixers, attention_mask, kwargs)
+        # float inputs (embeddings, pixels) start the graph themselves: whatever the model derives from them
+        # (Zamba2's copy of the embeddings for its shared blocks) is then differentiable even when frozen
+        call_inputs = inputs.detach().requires_grad_(True) if need_grad and inputs.is_floating_point() and \
+            not inputs.requires_grad else inputs
         self._active.add(capture)
         try:
             with torch.set_grad_enabled(need_grad), fast_scans(self.model), capture:
-                output = self._call(inputs, args, kwargs, attention_mask)
+                output = self._call(call_inputs, args, kwargs, attention_mask)
         finally:
             self._active.discard(capture)
         trace = capture.trace
         check_recorded(trace, self.mixers, layers)
+        self._check_tokens_seen(trace, inputs, mask)
         explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [])
         grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
         try:
@@ -359,7 +419,9 @@ class Runner:
             for _, scores, _ in queries:
                 check_finite(None if scores is None else scores.detach(), "the explained scores (the model's "
                              "output logits)", self.model)
-            explained.queries = [Query(pos, tgt) for pos, _, tgt in queries]
+            weights = None if self.layout is None or not self.layout.pooled else \
+                self.layout.query_weights(explained.batch, device=mask.device)
+            explained.queries = [Query(pos, tgt, weights, self.causal) for pos, _, tgt in queries]
             explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
             if need_grad:
                 self._gradients(explained, trace, queries, layers, residual_grads, operator_grads)
@@ -367,6 +429,45 @@ class Runner:
             grad_mode.__exit__(None, None, None)
             trace.detach()
         return explained
+
+    def _check_tokens_seen(self, trace, inputs, mask):
+        """The layers must have mixed the explained tokens, as given: the relevance is laid over the inputs' positions.
+        A ``forward_func`` that adds (a prompt template), drops or reorders tokens or examples would shift it.
+
+        Raises:
+            ValueError: naming what the layers saw and what the inputs are.
+        """
+        batch, length = mask.shape
+        for call in trace.mixer_calls:
+            seen = tuple(call.hidden_states.shape[:2])
+            if seen != (batch, length):
+                raise ValueError(
+                    f"mamba_captum: the token mixers saw {seen[0]} sequences of {seen[1]} tokens, but the explained "
+                    f"inputs are {batch} of {length}: the relevance would not line up with the inputs. A forward_func "
+                    "must hand the model the inputs' tokens as they are (no added prompt or template tokens, none "
+                    "dropped, same order): put such tokens into the inputs themselves.")
+        if self.forward_func is not None and not inputs.is_floating_point() and trace.embedding_inputs:
+            seen = trace.embedding_inputs[0]
+            if seen.shape != inputs.shape or not torch.equal(seen.to(inputs.device), inputs):
+                raise ValueError(
+                    "mamba_captum: the forward_func handed the model other token ids than the explained inputs "
+                    "(reordered or changed examples or tokens): the relevance would not line up with the inputs. "
+                    "Pass the inputs to the model as they are.")
+
+    def _image_query(self, inputs, attention_mask, position):
+        """An image model's (mask, positions): all tokens real; the query is its CLS token (a pooled head's
+        positions are unused: its query weights are the layout's)."""
+        if self.forward_func is None:
+            check_pixels(self.model, inputs, self.layout)
+        if attention_mask is not None:
+            raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
+        if position is not None:
+            raise ValueError("mamba_captum: position= does not apply to an image classifier, whose head reads its "
+                             f"{'CLS token' if not self.layout.pooled else 'mean over the tokens'}.")
+        batch = inputs.shape[0]
+        mask = torch.ones(batch, self.layout.length, device=inputs.device)
+        index = 0 if self.layout.pooled else self.layout.cls_index
+        return mask, torch.full((batch,), index, dtype=torch.long, device=inputs.device)
 
     @staticmethod
     def _gradients(explained, trace, queries, layers, residual_grads, operator_grads):
@@ -413,8 +514,12 @@ def check_reduce(reduce):
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
 
 
-def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool):
-    """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings."""
+def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool, layout=None):
+    """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings;
+    for an image model (``layout``), pixel relevance (B, 1, H, W) as Captum's upsampled layer attributions."""
+    if layout is not None:
+        relevance = layout.to_pixels(relevance.to(inputs.dtype if inputs.is_floating_point() else torch.float32))
+        return (relevance,) if was_tuple else relevance
     if inputs.is_floating_point():  # a real tensor, not a stride-0 view (captum.metrics reshapes it)
         relevance = relevance[..., None].expand(*inputs.shape).to(inputs.dtype).contiguous()
     return (relevance,) if was_tuple else relevance
@@ -425,5 +530,16 @@ def gather_rows(rows_by_position: dict, positions: torch.Tensor) -> torch.Tensor
     return torch.stack([rows_by_position[int(p)][b] for b, p in enumerate(positions.tolist())])
 
 
-def unique_positions(queries: Sequence[Query]) -> list[int]:
+def unique_positions(queries: Sequence[Query], length: int | None = None) -> list[int]:
+    """The query rows to compute: the queries' positions, or every row when a query is pooled."""
+    if any(q.pooled for q in queries):
+        return list(range(length))
     return sorted({int(p) for q in queries for p in q.positions.tolist()})
+
+
+def refuse_pooled(queries: Sequence[Query], recipe: str = "official"):
+    """The official recipes read one query row (the CLS token's); a pooled head has none."""
+    if any(q.pooled for q in queries):
+        raise ValueError(f"mamba_captum: recipe={recipe!r} reads the CLS token's row, and this model has no CLS "
+                         "token (its head reads the mean over the tokens); use recipe='product', which explains "
+                         "the mean of the rows.")

@@ -70,6 +70,13 @@ class RunningProduct:
             return eye[positions.cpu()].to(positions.device)
         return self.product[torch.arange(batch, device=positions.device), positions.to(self.product.device)]
 
+    def weighted_rows(self, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_q weights[b, q] ρ[b, q, :] (B, L): the row of a pooled query; ``weights`` itself when no layer was
+        pushed (ρ = I)."""
+        if self.product is None:
+            return weights
+        return torch.einsum("bq,bqj->bj", weights.to(self.product.dtype), self.product)
+
 
 def broadcast_row(vector: torch.Tensor) -> torch.Tensor:
     """The official code's rank-1 layer matrix 1 · vᵀ: every row is the query row. (B, L) -> (B, L, L)."""

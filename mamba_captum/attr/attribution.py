@@ -20,7 +20,7 @@ from captum.attr import GradientAttribution
 from captum.log import log_usage
 
 from ._base import ImplicitAttentionMethod
-from ._explain import as_attributions, format_inputs, gather_rows, unique_positions
+from ._explain import as_attributions, format_inputs, refuse_pooled, unique_positions
 from ._rollout import (NORMALISATIONS, SIGNS, RunningProduct, add_identity, broadcast_row, drop_query, layer_weights,
                        minmax, row_normalise, rollout_step)
 
@@ -78,11 +78,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
 
         The defaults are the best measured on the trained planted-answer models of docs/faithfulness.md.
         ``target=None`` explains the argmax class / token of each example. Returns (B, L) as the inputs."""
-        inputs_tensor, was_tuple = format_inputs(inputs)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs,
                                      gradient_rule=gradient_rule, sign=sign, normalise=normalise)
-        return as_attributions(relevance[0], inputs_tensor, was_tuple)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
 
     def _relevance(self, explained, options):
         if options["recipe"] == "official":
@@ -98,10 +98,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
                            for grads in record.operator_grads]
             for product, factor in zip(products, factors):
                 product.push(rollout_step(layer_weights(factor, options["sign"], options["normalise"])))
-        return [product.rows(q.positions, explained.length) for q, product in zip(explained.queries, products)]
+        return [q.row_of(product, explained.length) for q, product in zip(explained.queries, products)]
 
     @staticmethod
     def _official(explained):
+        refuse_pooled(explained.queries)
         rows = unique_positions(explained.queries)
         hidden = explained.formulation == "hidden"
         products = [RunningProduct() for _ in explained.queries]
@@ -110,7 +111,7 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
             by_position = {p: per_channel[:, :, i] for i, p in enumerate(rows)}
             for query, product, grads in zip(explained.queries, products, record.residual_grads):
                 context = query.context(explained.mask).to(per_channel.dtype)
-                row = gather_rows(by_position, query.positions)  # (B, C, L)
+                row = query.gather(by_position)  # (B, C, L)
                 if hidden:  # HMA: min-max of each channel's row, then the channel mean
                     weighted = minmax(row, context[:, None, :]).mean(1) * residual_scores(grads, context)
                 else:  # UIA: channel mean first; the min-max comes after the gradient weighting

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._base import ImplicitAttentionMethod
-from ._explain import gather_rows, unique_positions
+from ._explain import refuse_pooled, unique_positions
 from ._rollout import drop_query, minmax
 
 
@@ -21,14 +21,16 @@ class MambaRawAttention(ImplicitAttentionMethod):
     """
 
     def _relevance(self, explained, options):
-        rows = unique_positions(explained.queries)
         official = options["recipe"] == "official"
+        if official:
+            refuse_pooled(explained.queries)
+        rows = unique_positions(explained.queries, explained.length)
         sums, count = [0.0] * len(explained.queries), 0
         for record in explained.layers():
             reduced = record.operator.maps(None if official else options["reduce"], rows)  # (B, [C,] R, L)
             by_position = {position: reduced[..., index, :] for index, position in enumerate(rows)}
             for number, query in enumerate(explained.queries):
-                row = gather_rows(by_position, query.positions)  # (B, [C,] L)
+                row = query.gather(by_position)  # (B, [C,] L)
                 if official:  # min-max over channels × the query's real context, then the channel mean
                     context = query.context(explained.mask).to(row.dtype)[:, None, :]
                     row = minmax(row, context, dims=(-2, -1)).mean(1)

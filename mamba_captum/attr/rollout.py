@@ -7,7 +7,7 @@ official: the official notebooks' rank-1 rollout: v^ℓ = channel-mean query row
 from __future__ import annotations
 
 from ._base import ImplicitAttentionMethod
-from ._explain import gather_rows, unique_positions
+from ._explain import refuse_pooled, unique_positions
 from ._rollout import RunningProduct, add_identity, broadcast_row, drop_query, row_normalise, rollout_step
 
 
@@ -24,17 +24,18 @@ class MambaRollout(ImplicitAttentionMethod):
         product = RunningProduct()
         for record in explained.layers():
             product.push(rollout_step(record.operator.maps(options["reduce"])))
-        return [product.rows(q.positions, explained.length) for q in explained.queries]
+        return [q.row_of(product, explained.length) for q in explained.queries]
 
     @staticmethod
     def _official(explained, options):
+        refuse_pooled(explained.queries)
         rows = unique_positions(explained.queries)
         products = [RunningProduct() for _ in explained.queries]
         for record in explained.layers():
             reduced = record.operator.maps("mean", rows)  # (B, R, L): the channel-mean query rows, signed
             by_position = {position: reduced[:, index] for index, position in enumerate(rows)}
             for query, product in zip(explained.queries, products):
-                vector = gather_rows(by_position, query.positions)
+                vector = query.gather(by_position)
                 product.push(row_normalise(add_identity(broadcast_row(vector))))
         return [drop_query(product.rows(q.positions, explained.length), q.positions)
                 for q, product in zip(explained.queries, products)]

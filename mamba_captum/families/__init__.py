@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import mamba, mamba2, recurrent_gemma, rwkv
+from . import mamba, mamba2, recurrent_gemma, rwkv, vim
 
-ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma) for name in adapter.MIXER_CLASSES}
+ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim)
+            for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
@@ -83,6 +84,11 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if _is_unsupported_mixer(module):
+                if getattr(module, "bimamba_type", None) is not None:  # the official Vim code's mamba-ssm fork
+                    raise TypeError(
+                        f"mamba_captum: layer {index} is the official Vim code's Mamba mixer (mamba-ssm fork, "
+                        f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
+                        "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
                 raise TypeError(
                     f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}, which is not "
                     f"supported yet. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")

@@ -8,8 +8,13 @@ matter. The fused training kernel skips the mask after the conv; ``call.unfused`
 
 hidden  (Ali et al.):     α_c[i,j] = Σ_n C_i[n] exp(A_cn Σ_{k=j+1..i} Δ_kc) Δ_jc B_j[n]   over u.
 unified (Zimerman et al.): H_c = diag(silu(z_c)) α_c diag(σ(c_c)·m) M_c                   over x (the conv input).
+
+:func:`scan_pieces` and :func:`selective_operator` (one scan direction) are shared with the bidirectional Vim
+mixer (:mod:`mamba_captum.families.vim`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,98 @@ def _masked(tensor, mask):
     return tensor if mask is None else (tensor * mask[:, :, None]).to(tensor.dtype)
 
 
+@dataclass
+class ScanPieces:
+    """One selective scan of a Mamba-1 layout, rebuilt from its conv input: everything an operator needs.
+
+    ``x`` (conv input), ``z`` (gate input), ``u`` (scan input), ``pre`` (conv pre-activation), ``delta``: (B, L, D);
+    ``A``: (D, N); ``B``, ``C``: (B, L, N); ``scan``: the S6 output without D skip and gate (B, L, D); ``skip`` = D·u;
+    ``gate`` = silu(z); ``taps``: (D, K) conv weights. All in the work dtype.
+    """
+
+    x: torch.Tensor
+    z: torch.Tensor
+    u: torch.Tensor
+    pre: torch.Tensor
+    delta: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    scan: torch.Tensor
+    skip: torch.Tensor
+    gate: torch.Tensor
+    taps: torch.Tensor
+
+
+def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, state_size: int, norms=None,
+                unfused: bool = True, work_dtype=torch.float64, check_dtype=torch.float32) -> ScanPieces:
+    """Recompute one selective scan from its conv input ``x`` and gate input ``z`` (B, L, D_in), model dtype.
+
+    Args:
+        conv1d, x_proj, dt_proj: the direction's modules (run without their hooks); A_log (D_in, N), D (D_in,).
+        rank, state_size: the time-step rank R and the state size N (x_proj gives R + 2N features).
+        norms: (dt, B, C) RMS norm modules (FalconMamba, Jamba) or None.
+        unfused: whether the model ran the unfused path (the fused training kernel skips the mask after the conv and
+            normalises the D_in-wide projected dt instead of the rank-R one).
+        check_dtype: the precision of the scan, which only serves the check (the operator does not depend on it).
+    """
+    length = x.shape[1]
+    taps = conv1d.weight[:, 0, :]  # (D_in, K)
+    pre = F.conv1d(x.transpose(1, 2).to(taps.dtype), conv1d.weight, conv1d.bias, padding=taps.shape[-1] - 1,
+                   groups=taps.shape[0])[..., :length].transpose(1, 2)
+    u = F.silu(pre).to(x.dtype)
+    if unfused:  # the fused training kernel does not re-apply the pad mask after the conv
+        u = _masked(u, mask)
+    dt_low, B, C = torch.split(run(x_proj, u), [rank, state_size, state_size], dim=-1)
+    norm_dt_after_projection = False
+    if norms is not None:  # FalconMamba (weightless) and Jamba (learned) RMS norms
+        dt_norm, b_norm, c_norm = norms
+        B, C = run(b_norm, B), run(c_norm, C)
+        # HF's torch path normalises the rank-R dt before dt_proj; mamba-ssm's fused kernel (training mode)
+        # normalises the D_in-wide projection instead (the dummy weight has D_in entries). Follow what ran.
+        norm_dt_after_projection = not unfused
+        if not norm_dt_after_projection:
+            dt_low = run(dt_norm, dt_low)
+
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    dt = w(F.linear(dt_low, dt_proj.weight))  # HF too: dt_proj.weight @ dt, the bias inside the scan
+    if norm_dt_after_projection:
+        dt = dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + norms[0].eps) * w(norms[0].weight)
+    delta = F.softplus(dt + w(dt_proj.bias))
+    A = -torch.exp(w(A_log))
+    u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
+    check = lambda t: t.to(check_dtype)  # noqa: E731
+    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
+    return ScanPieces(w(x), z, u, pre, delta, A, B, C, scan, w(D) * u, F.silu(z), w(taps))
+
+
+def selective_operator(pieces: ScanPieces, formulation: str, components: frozenset, mask, readout=None,
+                       row_scale: float = 1.0) -> SelectiveOperator:
+    """The operator of one scan: hidden α over u (output: the scan), or unified
+    ``diag(row_scale · silu z) α diag(σ(pre)·m) M`` over x (output: scan · gate · row_scale).
+
+    ``mask``: (B, L) in the work dtype or None. ``row_scale`` multiplies the unified row weights (Vim's ½).
+    """
+    p = pieces
+    if formulation == "hidden":
+        return SelectiveOperator(p.delta, p.A, p.B, p.C, mask, values=p.u, output=p.scan, readout=readout)
+    col = torch.sigmoid(p.pre) if "act" in components else None
+    if mask is not None:
+        col = mask[:, :, None].expand_as(p.u) if col is None else col * mask[:, :, None]
+    row = p.gate if "gate" in components else None
+    if row_scale != 1.0:
+        row = row_scale * (torch.ones_like(p.u) if row is None else row)
+    return SelectiveOperator(
+        p.delta, p.A, p.B, p.C, mask, row_weight=row, col_weight=col,
+        conv_weight=p.taps if "conv" in components else None, s6="s6" in components,
+        values=p.x, output=p.scan * p.gate * row_scale, readout=readout)
+
+
+def check_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The scan that serves the check runs in the model's precision (float64 models in float64)."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -33,59 +130,20 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     """
     mixer = call.located.module
     hidden, mask = call.hidden_states, call.attention_mask
-    length = hidden.shape[1]
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "the unified operator is defined for silu.")
-    projected = run(mixer.in_proj, _masked(hidden, mask))
-    x, z = projected.chunk(2, dim=-1)  # (B, L, D_in) each, the model's dtype
-    taps = mixer.conv1d.weight[:, 0, :]  # (D_in, K)
-    pre = F.conv1d(x.transpose(1, 2).to(taps.dtype), mixer.conv1d.weight, mixer.conv1d.bias,
-                   padding=taps.shape[-1] - 1, groups=taps.shape[0])[..., :length].transpose(1, 2)
-    u = F.silu(pre).to(x.dtype)
-    if call.unfused:  # the fused training kernel does not re-apply the pad mask after the conv
-        u = _masked(u, mask)
-    dt_low, B, C = torch.split(run(mixer.x_proj, u), [mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size],
-                               dim=-1)
-    norm_dt_after_projection = False
-    if hasattr(mixer, "dt_layernorm"):  # FalconMamba (weightless) and Jamba (learned) RMS norms
-        B, C = run(mixer.b_layernorm, B), run(mixer.c_layernorm, C)
-        # HF's torch path normalises the rank-R dt before dt_proj; mamba-ssm's fused kernel (training mode)
-        # normalises the D_in-wide projection instead (the dummy weight has D_in entries). Follow what ran.
-        norm_dt_after_projection = not call.unfused
-        if not norm_dt_after_projection:
-            dt_low = run(mixer.dt_layernorm, dt_low)
+    x, z = run(mixer.in_proj, _masked(hidden, mask)).chunk(2, dim=-1)  # (B, L, D_in) each, the model's dtype
+    norms = (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm) if hasattr(mixer, "dt_layernorm") else None
+    p = scan_pieces(x, z, mask, conv1d=mixer.conv1d, x_proj=mixer.x_proj, dt_proj=mixer.dt_proj, A_log=mixer.A_log,
+                    D=mixer.D, rank=mixer.time_step_rank, state_size=mixer.ssm_state_size, norms=norms,
+                    unfused=call.unfused, work_dtype=work_dtype, check_dtype=check_dtype(hidden))
+    rebuilt = run(mixer.out_proj, ((p.scan + p.skip) * p.gate).to(hidden.dtype))
 
-    w = lambda t: t.to(work_dtype)
-    dt = w(F.linear(dt_low, mixer.dt_proj.weight))  # HF too: dt_proj.weight @ dt, the bias inside the scan
-    if norm_dt_after_projection:
-        norm = mixer.dt_layernorm
-        dt = dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + norm.eps) * w(norm.weight)
-    delta = F.softplus(dt + w(mixer.dt_proj.bias))
-    A = -torch.exp(w(mixer.A_log))
-    u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
-
-    # The scan only serves the check (the operator does not depend on it): run it in the model's precision.
-    check = lambda t: t.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
-    skip, gate = w(mixer.D) * u, F.silu(z)
-    rebuilt = run(mixer.out_proj, ((scan + skip) * gate).to(hidden.dtype))
-
-    operator_mask = None if mask is None else w(mask)
+    operator_mask = None if mask is None else mask.to(work_dtype)
     out_proj = linear_readout(mixer.out_proj)
     if formulation == "hidden":  # the operator's output is the scan; the D skip and the gate come after it
-        readout = lambda y: out_proj((y + skip.double()) * gate.double())  # noqa: E731
-        return SelectiveOperator(delta, A, B, C, operator_mask, values=u, output=scan, readout=readout), rebuilt
-    readout = lambda y: out_proj(y + (skip * gate).double())  # noqa: E731 (out_proj, linear)
-    col = torch.sigmoid(pre) if "act" in components else None
-    if operator_mask is not None:
-        col = operator_mask[:, :, None].expand_as(u) if col is None else col * operator_mask[:, :, None]
-    operator = SelectiveOperator(
-        delta, A, B, C, operator_mask,
-        row_weight=F.silu(z) if "gate" in components else None,
-        col_weight=col,
-        conv_weight=w(taps) if "conv" in components else None,
-        s6="s6" in components,
-        values=w(x), output=scan * gate, readout=readout,
-    )
-    return operator, rebuilt
+        readout = lambda y: out_proj((y + p.skip.double()) * p.gate.double())  # noqa: E731
+    else:
+        readout = lambda y: out_proj(y + (p.skip * p.gate).double())  # noqa: E731 (out_proj, linear)
+    return selective_operator(p, formulation, components, operator_mask, readout), rebuilt

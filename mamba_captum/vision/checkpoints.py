@@ -1,0 +1,184 @@
+"""The released Vim architectures and their checkpoint files.
+
+``vim_tiny`` / ``vim_small`` / ``vim_base`` build the official architectures (stride 16; ``stride=8`` for the
+stride-8 variants); :func:`load_vim` reads an official ``.pth`` file (the weights under ``"model"``, as published
+under hustvl/ on the hub) or a state dict, detects the variant from the tensors' shapes and loads it key for key.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+
+import torch
+
+from .vim import VisionMamba
+
+# The official registered names (timm) of the released models and their sizes; all bimamba v2, middle CLS token,
+# RMSNorm, absolute position embeddings, if_divide_out.
+VARIANTS = {
+    "vim_tiny_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": dict(embed_dim=192, stride=16),
+    "vim_tiny_patch16_stride8_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2":
+        dict(embed_dim=192, stride=8),
+    "vim_small_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2": dict(embed_dim=384, stride=16),
+    "vim_small_patch16_stride8_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2":
+        dict(embed_dim=384, stride=8),
+    "vim_base_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_middle_cls_token_div2":
+        dict(embed_dim=768, stride=16),
+}
+_DEFAULTS = dict(img_size=224, patch_size=16, depth=24, d_state=16, num_classes=1000, cls_position="middle")
+
+
+def _build(embed_dim: int, overrides: dict) -> VisionMamba:
+    options = {**_DEFAULTS, "embed_dim": embed_dim, **overrides}
+    options.setdefault("stride", options["patch_size"])  # non-overlapping patches unless a stride is given
+    return VisionMamba(**options)
+
+
+def vim_tiny(**overrides) -> VisionMamba:
+    """Vim-Ti (embed 192, 24 blocks, 16-pixel patches, 224², 1000 classes, CLS in the middle), randomly initialised.
+
+    ``overrides``: any :class:`VisionMamba` argument, e.g. ``stride=8`` (Vim-Ti stride 8), ``depth``, ``img_size``,
+    ``patch_size`` (the stride follows it unless given), ``num_classes``, ``cls_position``.
+    """
+    return _build(192, overrides)
+
+
+def vim_small(**overrides) -> VisionMamba:
+    """Vim-S (embed 384); as :func:`vim_tiny` otherwise."""
+    return _build(384, overrides)
+
+
+def vim_base(**overrides) -> VisionMamba:
+    """Vim-B (embed 768); as :func:`vim_tiny` otherwise."""
+    return _build(768, overrides)
+
+
+def read_checkpoint(path) -> dict:
+    """The state dict of an official checkpoint file: ``torch.load(path)["model"]`` (or the file itself when it is a
+    plain state dict), loaded with ``weights_only=True`` (the training arguments, an ``argparse.Namespace``, are
+    allowed as data).
+
+    Raises:
+        FileNotFoundError; ValueError naming what the file holds when it is not a checkpoint.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"mamba_captum: no checkpoint file at {path!r}.")
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 — any unpickling failure gets the same advice
+        raise ValueError(
+            f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}). If you trust the file, load it yourself with "
+            "torch.load(path, weights_only=False) and pass checkpoint['model'] to load_vim.") from None
+    return _state_dict_of(checkpoint, path)
+
+
+def _state_dict_of(checkpoint, source) -> dict:
+    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict):
+        checkpoint = checkpoint["model"]
+    if not isinstance(checkpoint, dict) or not all(torch.is_tensor(v) for v in checkpoint.values()):
+        keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
+        raise ValueError(f"mamba_captum: {source} holds no Vim state dict (expected tensors, or a dict with the "
+                         f"weights under 'model'; found {keys}).")
+    return {key.removeprefix("module."): value for key, value in checkpoint.items()}
+
+
+def detect_config(state: dict, img_size=None) -> dict:
+    """The :class:`VisionMamba` arguments that give ``state``'s keys and shapes.
+
+    The stride is read from the number of position embeddings and the image size (224 unless given).
+
+    Raises:
+        ValueError: a key the detection needs is missing, or the shapes fit no Vim.
+    """
+    def need(key):
+        if key not in state:
+            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not a Vim checkpoint (keys start "
+                             f"with {sorted(state)[:4]}).")
+        return state[key]
+
+    proj = need("patch_embed.proj.weight")  # (D, C, p, p)
+    embed_dim, channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
+    layers = {int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key))}
+    if not layers:
+        raise ValueError("mamba_captum: the state dict has no layers.{i}.* keys: it is not a Vim checkpoint.")
+    a_log = need("layers.0.mixer.A_log")  # (D_in, N)
+    has_cls = "cls_token" in state
+    tokens = need("pos_embed").shape[1]
+    patches = tokens - has_cls
+    side = math.isqrt(patches)
+    if side * side != patches:
+        raise ValueError(f"mamba_captum: pos_embed has {tokens} tokens; a square patch grid is expected.")
+    img = img_size if img_size is not None else 224
+    if side == 1:
+        stride = patch
+    else:
+        stride, rest = divmod(img - patch, side - 1)
+        if rest or stride <= 0:
+            raise ValueError(f"mamba_captum: a {side}×{side} patch grid of {patch}-pixel patches does not fit "
+                             f"{img}-pixel images with a whole stride; pass img_size= (the training image size).")
+    head = state.get("head.weight")
+    return dict(img_size=img, patch_size=patch, stride=stride, channels=channels, depth=max(layers) + 1,
+                embed_dim=embed_dim, d_state=a_log.shape[1], expand=a_log.shape[0] / embed_dim,
+                d_conv=need("layers.0.mixer.conv1d.weight").shape[-1],
+                dt_rank=need("layers.0.mixer.dt_proj.weight").shape[1],
+                num_classes=0 if head is None else head.shape[0],
+                cls_position="middle" if has_cls else None)
+
+
+def variant_name(config: dict) -> str | None:
+    """The official registered name of a detected config, if it is a released one."""
+    for name, sizes in VARIANTS.items():
+        if (config["embed_dim"], config["stride"]) == (sizes["embed_dim"], sizes["stride"]) and \
+                config["depth"] == 24 and config["patch_size"] == 16 and config["img_size"] == 224:
+            return name
+    return None
+
+
+def load_state_dict_strictly(model: VisionMamba, state: dict) -> None:
+    """``model.load_state_dict(state)`` with an error that names every missing and unexpected key and every shape
+    that differs."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    mismatched = [f"{key} {tuple(state[key].shape)} (model: {tuple(own[key].shape)})"
+                  for key in sorted(set(own) & set(state)) if state[key].shape != own[key].shape]
+    if missing or unexpected or mismatched:
+        parts = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
+                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
+                                     ("shapes that differ", mismatched)) if keys]
+        raise ValueError("mamba_captum: the checkpoint does not fit this Vim; " + "; ".join(parts) + ".")
+    model.load_state_dict(state)
+
+
+def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> VisionMamba:
+    """Build the Vim that ``checkpoint`` was trained as and load its weights, key for key; eval mode.
+
+    Args:
+        checkpoint: a path to an official ``.pth`` file (weights under ``"model"``), a state dict, or a dict with
+            the state dict under ``"model"``.
+        img_size: the image size the model was trained at (224 unless given): with the number of position
+            embeddings it fixes the stride (16 or 8 for the released models).
+        dtype, device: where to put the model (default: as loaded, on CPU).
+        **overrides: :class:`VisionMamba` arguments the weights cannot tell, e.g. ``cls_position="first"``.
+
+    Raises:
+        ValueError: naming every missing or unexpected key and shape mismatch (or why the file is not a checkpoint).
+    """
+    if isinstance(checkpoint, (str, os.PathLike)):
+        state = read_checkpoint(checkpoint)
+    else:
+        state = _state_dict_of(checkpoint, "the given dict")
+    config = {**detect_config(state, img_size), **overrides}
+    if float(config["expand"]).is_integer():
+        config["expand"] = int(config["expand"])
+    model = VisionMamba(**config)
+    load_state_dict_strictly(model, state)
+    model.variant = variant_name(config)
+    if dtype is not None or device is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model.eval()

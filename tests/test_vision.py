@@ -1,0 +1,447 @@
+"""Vision Mamba: the official architectures and checkpoints, the bidirectional operator's identities, image inputs
+and pixel attributions. Shapes of the tiny model (tests/tiny_models.VIM): 32×32 images, 8-pixel patches, a 4×4
+grid, the CLS token in the middle (index 8), L = 17, d_inner = 24, N = 4, K = 4."""
+import argparse
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import relative_error
+from tiny_models import VIM, make_vim
+
+import mamba_captum as mc
+import mamba_captum.vision.vim as vim_module
+from mamba_captum.vision import TokenLayout, load_vim, preprocess, read_checkpoint, to_display, vim_small, vim_tiny
+from mamba_captum.vision.checkpoints import VARIANTS
+
+LENGTH = 17
+
+
+def pixels(batch=2, seed=1, dtype=torch.float32):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# -- the official checkpoints -------------------------------------------------------------------------------------
+def official_shapes(embed: int, tokens: int, depth: int = 24, classes: int = 1000) -> dict:
+    """The keys and shapes of an official Vim checkpoint, written out from the official code's modules (bimamba
+    v2: every scan parameter twice, the backward one with suffix _b / A_b_log / D_b), not from our model."""
+    inner, rank, state = 2 * embed, -(-embed // 16), 16
+    shapes = {"cls_token": (1, 1, embed), "pos_embed": (1, tokens, embed),
+              "patch_embed.proj.weight": (embed, 3, 16, 16), "patch_embed.proj.bias": (embed,),
+              "norm_f.weight": (embed,), "head.weight": (classes, embed), "head.bias": (classes,)}
+    for i in range(depth):
+        p = f"layers.{i}.mixer."
+        shapes.update({p + "in_proj.weight": (2 * inner, embed), p + "out_proj.weight": (embed, inner),
+                       f"layers.{i}.norm.weight": (embed,)})
+        for conv, x_proj, dt_proj, a_log, d in (("conv1d", "x_proj", "dt_proj", "A_log", "D"),
+                                                ("conv1d_b", "x_proj_b", "dt_proj_b", "A_b_log", "D_b")):
+            shapes.update({p + conv + ".weight": (inner, 1, 4), p + conv + ".bias": (inner,),
+                           p + x_proj + ".weight": (rank + 2 * state, inner), p + dt_proj + ".weight": (inner, rank),
+                           p + dt_proj + ".bias": (inner,), p + a_log: (inner, state), p + d: (inner,)})
+    return shapes
+
+
+@pytest.mark.parametrize("factory, embed, stride, tokens", [(vim_tiny, 192, 16, 197), (vim_tiny, 192, 8, 730),
+                                                            (vim_small, 384, 16, 197)])
+def test_the_factories_build_the_official_keys_and_shapes(factory, embed, stride, tokens):
+    expected = official_shapes(embed, tokens)
+    model = factory(stride=stride)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected
+    assert model.layers[0].mixer.dt_rank == (12 if embed == 192 else 24)
+    assert model.token_layout().cls_index == (98 if tokens == 197 else 364)
+
+
+@pytest.mark.parametrize("embed, tokens, name", [
+    (192, 197, "vim_tiny_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2"),
+    (192, 730, "vim_tiny_patch16_stride8_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2"),
+    (384, 197, "vim_small_patch16_224_bimambav2_final_pool_mean_abs_pos_embed_with_midclstok_div2")])
+def test_an_official_state_dict_loads_key_for_key_and_the_variant_is_detected(embed, tokens, name):
+    generator = torch.Generator().manual_seed(0)
+    state = {k: torch.randn(shape, generator=generator) * 0.02 for k, shape in official_shapes(embed, 730 if tokens
+                                                                                                == 730 else 197).items()}
+    model = load_vim({"model": state, "epoch": 300})
+    assert model.variant == name and name in VARIANTS and not model.training
+    assert model.patch_embed.stride == (8 if tokens == 730 else 16)
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_a_checkpoint_file_with_its_training_arguments_loads(tmp_path):
+    model = make_vim()
+    path = tmp_path / "vim.pth"
+    torch.save({"model": model.state_dict(), "optimizer": {"state": {}}, "epoch": 3,
+                "args": argparse.Namespace(model="vim_tiny", lr=5e-4)}, path)
+    loaded = load_vim(path, img_size=32)
+    x = pixels()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert set(read_checkpoint(path)) == set(model.state_dict())
+
+
+class NotAllowed:  # an arbitrary class in a pickle: weights_only loading refuses it
+    pass
+
+
+def test_unreadable_files_are_refused_with_the_fix(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint file"):
+        load_vim(tmp_path / "missing.pth")
+    path = tmp_path / "odd.pth"
+    torch.save({"model": make_vim().state_dict(), "extra": NotAllowed()}, path)
+    with pytest.raises(ValueError, match="weights_only=False"):
+        load_vim(path)
+    with pytest.raises(ValueError, match="not a Vim checkpoint"):
+        load_vim({"model": {"backbone.embeddings.weight": torch.zeros(3, 3)}})
+
+
+def test_missing_unexpected_and_mismatched_keys_are_named():
+    state = make_vim().state_dict()
+    del state["layers.1.mixer.D_b"]
+    state["layers.0.mixer.gamma"] = torch.ones(12)
+    state["layers.0.mixer.out_proj.weight"] = torch.zeros(12, 23)
+    with pytest.raises(ValueError) as error:
+        load_vim(state, img_size=32)
+    message = str(error.value)
+    assert "missing keys (1): layers.1.mixer.D_b" in message
+    assert "unexpected keys (1): layers.0.mixer.gamma" in message
+    assert "layers.0.mixer.out_proj.weight (12, 23) (model: (12, 24))" in message
+
+
+def test_a_stride_that_does_not_fit_asks_for_the_image_size():
+    state = make_vim().state_dict()  # a 4×4 grid of 8-pixel patches: 32-pixel images, not 224
+    with pytest.raises(ValueError, match="pass img_size="):
+        load_vim({k: v for k, v in state.items()}, img_size=37)
+
+
+# -- the forward pass ---------------------------------------------------------------------------------------------
+def reference_forward(model, x):
+    """Vim's forward written token by token from the official code's math (float64): patches, CLS insertion,
+    Add → RMSNorm → bidirectional mixer, final norm, CLS row (or mean) → head."""
+    model = model.double()
+    x = x.double()
+    embed = model.patch_embed
+    patches = F.conv2d(x, embed.proj.weight, embed.proj.bias, stride=embed.stride).flatten(2).transpose(1, 2)
+    index = model.cls_index()
+    tokens = patches if index is None else torch.cat(
+        [patches[:, :index], model.cls_token.expand(x.shape[0], -1, -1), patches[:, index:]], 1)
+    residual = tokens + model.pos_embed
+
+    def rms(h, weight):
+        return h / torch.sqrt((h * h).mean(-1, keepdim=True) + 1e-5) * weight
+
+    def scan(mixer, x_in, z, suffix):
+        conv = getattr(mixer, "conv1d" + suffix)
+        A = -torch.exp(mixer.A_log if suffix == "" else mixer.A_b_log)
+        D = mixer.D if suffix == "" else mixer.D_b
+        length, taps = x_in.shape[1], conv.weight.shape[-1]
+        out = torch.zeros_like(x_in)
+        state = torch.zeros(x_in.shape[0], x_in.shape[2], A.shape[1], dtype=torch.float64)
+        for t in range(length):
+            pre = conv.bias + sum(conv.weight[:, 0, taps - 1 - k] * x_in[:, t - k] for k in range(taps) if t - k >= 0)
+            u = F.silu(pre)  # (B, D)
+            # u of token t only depends on x up to t: recompute x_proj on it
+            dt, B, C = torch.split(u @ getattr(mixer, "x_proj" + suffix).weight.t(),
+                                   [mixer.dt_rank, mixer.d_state, mixer.d_state], -1)
+            dt_proj = getattr(mixer, "dt_proj" + suffix)
+            delta = F.softplus(dt @ dt_proj.weight.t() + dt_proj.bias)
+            state = torch.exp(delta[..., None] * A) * state + (delta * u)[..., None] * B[:, None, :]
+            out[:, t] = ((state * C[:, None, :]).sum(-1) + D * u) * F.silu(z[:, t])
+        return out
+
+    for block in model.layers:
+        mixer = block.mixer
+        xz = rms(residual, block.norm.weight) @ mixer.in_proj.weight.t()
+        x_in, z = xz.chunk(2, -1)
+        y = (scan(mixer, x_in, z, "") + scan(mixer, x_in.flip(1), z.flip(1), "_b").flip(1)) / 2
+        residual = residual + y @ mixer.out_proj.weight.t()
+    hidden = rms(residual, model.norm_f.weight)
+    pooled = hidden[:, index] if index is not None else hidden.mean(1)
+    return pooled @ model.head.weight.t() + model.head.bias
+
+
+@pytest.mark.parametrize("cls_position", ["middle", "first", "last", None])
+def test_the_forward_is_the_official_math_token_by_token(cls_position):
+    model = make_vim(cls_position=cls_position)
+    x = pixels()
+    with torch.no_grad():
+        got = model.double()(x.double())
+        expected = reference_forward(make_vim(cls_position=cls_position), x)
+    assert relative_error(got, expected) < 1e-10
+
+
+def test_float32_forward_is_the_float64_forward():
+    x = pixels()
+    with torch.no_grad():
+        assert relative_error(make_vim()(x), make_vim().double()(x.double())) < 1e-5
+
+
+# -- the operator: y = H x ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def recorded_mixers(model):
+    """The test's own hooks: per mixer, (conv input x, out_proj input) of the real forward pass."""
+    records = []
+    handles = []
+    for block in model.layers:
+        entry = {}
+        records.append(entry)
+        handles.append(block.mixer.in_proj.register_forward_hook(
+            lambda m, a, out, entry=entry: entry.__setitem__("x", out.detach().chunk(2, -1)[0])))
+        handles.append(block.mixer.out_proj.register_forward_pre_hook(
+            lambda m, a, entry=entry: entry.__setitem__("y", a[0].detach())))
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def without_untokened_parts(model):
+    """Conv biases and D skips to 0: what the unified operator leaves out, so that out_proj's input is H x."""
+    with torch.no_grad():
+        for block in model.layers:
+            for parameter in (block.mixer.conv1d.bias, block.mixer.conv1d_b.bias, block.mixer.D, block.mixer.D_b):
+                parameter.zero_()
+    return model
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 3e-5), (torch.float64, 1e-10)])
+def test_unified_maps_reproduce_out_projs_input(dtype, tolerance):
+    model = without_untokened_parts(make_vim(dtype=dtype))
+    x = pixels(dtype=dtype)
+    with recorded_mixers(model) as records, torch.no_grad():
+        model(x)
+    maps = mc.implicit_attention(model, x, reduce=None)
+    assert sorted(maps) == [0, 1]
+    for layer, record in enumerate(records):
+        H = maps[layer]  # (B, D_in, L, L)
+        assert H.shape == (2, 24, LENGTH, LENGTH) and H.dtype == dtype
+        got = torch.einsum("bcij,bjc->bic", H.double(), record["x"].double())
+        assert relative_error(got, record["y"]) < tolerance
+        # non-causal: the backward scan fills the upper triangle
+        assert H.triu(1).abs().max() > 0.01 * H.abs().max() and H.tril(-1).abs().max() > 0.01 * H.abs().max()
+
+
+@contextlib.contextmanager
+def recorded_scans():
+    """The test's own record of every scan the model runs: (u, pure S6 output without D skip and gate)."""
+    calls = []
+    original = vim_module.selective_scan
+
+    def recording(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
+        pure = original(u, delta, A, B, C, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        calls.append((u.detach().transpose(1, 2), pure.detach().transpose(1, 2)))
+        return original(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+
+    vim_module.selective_scan = recording
+    try:
+        yield calls
+    finally:
+        vim_module.selective_scan = original
+
+
+def test_hidden_maps_are_the_two_scans_spliced():
+    model = make_vim(dtype=torch.float64)
+    x = pixels(dtype=torch.float64)
+    with recorded_scans() as calls, torch.no_grad():
+        model(x)
+    operators, _, errors = mc.build_operators(model, x, formulation="hidden")
+    combined = mc.implicit_attention(model, x, formulation="hidden", reduce=None)
+    for layer in (0, 1):
+        (u_f, y_f), (u_b, y_b) = calls[2 * layer], calls[2 * layer + 1]  # forward, then backward (reversed)
+        op = operators[layer]
+        alpha_f, alpha_b = op.forward.maps(None), op.backward.maps(None)  # each causal in its own order
+        assert relative_error(torch.einsum("bcij,bjc->bic", alpha_f, u_f), y_f) < 1e-10
+        assert relative_error(torch.einsum("bcij,bjc->bic", alpha_b, u_b), y_b) < 1e-10
+        assert torch.equal(alpha_f, alpha_f.tril()) and torch.equal(alpha_b, alpha_b.tril())
+        spliced = alpha_f + alpha_b.flip(-2, -1)  # α_f + J α_b J
+        assert relative_error(combined[layer], spliced) < 1e-12
+        assert errors[layer] < 1e-10
+
+
+def test_reductions_are_the_reductions_of_the_per_channel_maps():
+    model = make_vim()
+    x = pixels(batch=3)
+    for formulation in ("unified", "hidden"):
+        full = mc.implicit_attention(model, x, formulation=formulation, reduce=None)
+        for reduce, reduction in (("mean", lambda t: t.mean(1)), ("sum", lambda t: t.sum(1)),
+                                  ("abs_mean", lambda t: t.abs().mean(1))):
+            reduced = mc.implicit_attention(model, x, formulation=formulation, reduce=reduce)
+            for layer in full:
+                # abs_mean: the two directions' diagonals add per channel before |·| (the operator's correction)
+                assert relative_error(reduced[layer], reduction(full[layer])) < 1e-5, (formulation, reduce)
+
+
+def test_rows_are_the_rows_of_the_full_maps_in_both_directions():
+    model = make_vim()
+    x = pixels()
+    rows = [8, 0, -1, 3, 3, 12]
+    for reduce in (None, "mean", "abs_mean"):
+        full = mc.implicit_attention(model, x, reduce=reduce)
+        some = mc.implicit_attention(model, x, reduce=reduce, rows=rows)
+        index = [r % LENGTH for r in rows]
+        for layer in full:
+            expected = full[layer][:, :, index] if reduce is None else full[layer][:, index]
+            assert relative_error(some[layer], expected) < 1e-6
+
+
+def test_batched_maps_and_attributions_equal_one_image_at_a_time():
+    model = make_vim()
+    x = pixels(batch=3)
+    batched = mc.implicit_attention(model, x)
+    relevance = mc.MambaAttribution(model).attribute(x, target=[0, 3, 1])
+    for b in range(3):
+        alone = mc.implicit_attention(model, x[b:b + 1])
+        for layer in batched:
+            assert relative_error(batched[layer][b:b + 1], alone[layer]) < 1e-5
+        single = mc.MambaAttribution(model).attribute(x[b:b + 1], target=[0, 3, 1][b])
+        assert relative_error(relevance[b:b + 1], single) < 1e-5
+
+
+# -- pixel attributions ----------------------------------------------------------------------------------------------
+def test_patch_values_go_to_the_pixels_as_the_papers_upsample():
+    layout = TokenLayout(grid=(4, 4), cls_index=8, img_size=(32, 32), patch_size=(8, 8), stride=8)
+    relevance = torch.randn(2, LENGTH, dtype=torch.float64)
+    grid = torch.cat([relevance[:, :8], relevance[:, 9:]], 1).reshape(2, 1, 4, 4)
+    expected = F.interpolate(grid, scale_factor=8, mode="bilinear", align_corners=False)
+    assert relative_error(layout.to_pixels(relevance), expected) < 1e-12
+    # overlapping patches (stride 4 < patch 7): each value sits at its patch's centre pixel 4 i + 3, and pixels
+    # between two centres are linear between the two values
+    overlapping = TokenLayout(grid=(7, 7), cls_index=None, img_size=(31, 31), patch_size=(7, 7), stride=4)
+    values = torch.randn(1, 49, dtype=torch.float64)
+    image = overlapping.to_pixels(values)[0, 0]
+    grid = values.reshape(7, 7)
+    assert torch.allclose(image[3::4, 3::4], grid)
+    assert torch.allclose(image[4::4, 3::4][:6], 0.75 * grid[:-1] + 0.25 * grid[1:])
+
+
+@pytest.mark.parametrize("cls_position", ["middle", "first", "last", None])
+def test_rollout_is_the_cls_row_of_the_maps_rollout_in_pixels(cls_position):
+    model = make_vim(cls_position=cls_position)
+    x = pixels()
+    maps = mc.implicit_attention(model, x)
+    layout = model.token_layout()
+    length = layout.length  # 16 patches (+ the CLS token)
+    product = torch.eye(length).expand(2, -1, -1)
+    for layer in sorted(maps):
+        step = torch.eye(length) + maps[layer].clamp(min=0)
+        product = (step / step.sum(-1, keepdim=True)) @ product
+    # a CLS head reads its row; a mean-pooling head (no CLS token) the mean of the rows
+    row = product[:, layout.cls_index] if cls_position is not None else product.mean(1)
+    got = mc.MambaRollout(model).attribute(x)
+    assert got.shape == (2, 1, 32, 32)
+    assert relative_error(got, layout.to_pixels(row)) < 1e-5
+
+
+def test_captum_conventions_on_pixels():
+    model = make_vim()
+    x = pixels()
+    attribution = mc.MambaAttribution(model)
+    logits = model(x)
+    assert torch.equal(attribution.attribute(x), attribution.attribute(x, target=logits.argmax(-1)))
+    assert attribution.attribute((x,), target=2)[0].shape == (2, 1, 32, 32)
+    with pytest.raises(IndexError, match="5 classes"):
+        attribution.attribute(x, target=5)
+    # the class matters: a different target gives a different map
+    assert not torch.allclose(attribution.attribute(x, target=0), attribution.attribute(x, target=4))
+
+
+def test_the_official_recipes_read_the_cls_row_of_both_directions():
+    """HMA and UIA splice the forward scan's CLS row (tokens before it) and the backward scan's (tokens after it);
+    the CLS row of α_f + J α_b J is that splice off the diagonal, which the official recipes drop."""
+    model = make_vim()
+    x = pixels(batch=1)
+    per_channel = mc.implicit_attention(model, x, reduce=None, rows=[8])  # (1, C, 1, L)
+    operators, _, _ = mc.build_operators(model, x)
+    for layer, op in operators.items():
+        forward_row = op.forward.maps(None, [8])[..., :8]
+        backward_row = op.backward.maps(None, [LENGTH - 1 - 8]).flip(-1)[..., 9:]
+        assert relative_error(per_channel[layer][..., :8], forward_row) < 1e-6
+        assert relative_error(per_channel[layer][..., 9:], backward_row) < 1e-6
+    for method in (mc.MambaRawAttention, mc.MambaRollout, mc.MambaAttribution):
+        for formulation in ("hidden", "unified"):
+            relevance = method(model).attribute(x, recipe="official", formulation=formulation)
+            assert relevance.shape == (1, 1, 32, 32) and bool((relevance >= 0).all())
+
+
+def test_visualize_image_attr_takes_the_output():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from captum.attr import visualization
+
+    model = make_vim()
+    x = pixels(batch=1)
+    relevance = mc.MambaAttribution(model).attribute(x, target=1)
+    figure, _ = visualization.visualize_image_attr(relevance[0].permute(1, 2, 0).numpy(), to_display(x),
+                                                   method="blended_heat_map", sign="absolute_value",
+                                                   use_pyplot=False)
+    assert figure is not None
+
+
+def test_preprocess_gives_the_models_input(tmp_path):
+    from PIL import Image
+
+    image = Image.fromarray((torch.rand(40, 60, 3) * 255).byte().numpy())
+    path = tmp_path / "image.png"
+    image.save(path)
+    x = preprocess(path, size=32)
+    assert x.shape == (1, 3, 32, 32) and x.dtype == torch.float32
+    assert to_display(x).shape == (32, 32, 3)
+    assert mc.MambaRollout(make_vim()).attribute(x).shape == (1, 1, 32, 32)
+    with pytest.raises(ValueError, match="not an image"):
+        preprocess(tmp_path.joinpath("x.png").write_text("text") and tmp_path / "x.png")
+
+
+# -- refusals and state ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("call, error, message", [
+    (lambda m: mc.implicit_attention(m, pixels(), torch.ones(2, LENGTH)), ValueError, "no padding"),
+    (lambda m: mc.implicit_attention(m, torch.randn(2, 3, 28, 28)), ValueError, "takes 32×32"),
+    (lambda m: mc.implicit_attention(m, torch.randn(2, 1, 32, 32)), ValueError, "1 channels"),
+    (lambda m: mc.implicit_attention(m, torch.randn(3, 32, 32)), ValueError, "pixel_values\\[None\\]"),
+    (lambda m: mc.implicit_attention(m, pixels(dtype=torch.float64)), TypeError, "pixel_values.to"),
+    (lambda m: mc.implicit_attention(m, torch.zeros(2, 3, 32, 32, dtype=torch.long)), TypeError, "pixel values"),
+    (lambda m: mc.MambaRollout(m).attribute(pixels(), position=3), ValueError, "CLS token"),
+    (lambda m: mc.MambaAttribution(m).attribute(pixels(), attention_mask=torch.ones(2, LENGTH)), ValueError,
+     "no padding"),
+    (lambda m: mc.MambaAttribution(m).attribute_generation(pixels()), TypeError, "image model"),
+    (lambda m: mc.implicit_attention(m, pixels(), formulaton="hidden"), TypeError, "formulation"),
+])
+def test_bad_image_inputs_are_refused(call, error, message):
+    model = make_vim()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=message):
+        call(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_official_codes_mixer_is_pointed_to_load_vim():
+    class Mamba(torch.nn.Module):  # the official code's mixer (mamba-ssm fork) as far as the library looks
+        def __init__(self):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.zeros(2, 2))
+            self.bimamba_type = "v2"
+
+    model = make_vim()
+    model.layers[1].mixer = Mamba()
+    with pytest.raises(TypeError, match="load_vim"):
+        mc.implicit_attention(model, pixels())
+
+
+def test_a_mean_pooling_model_refuses_the_official_recipe():
+    model = make_vim(cls_position=None)
+    with pytest.raises(ValueError, match="no CLS token"):
+        mc.MambaAttribution(model).attribute(pixels(), recipe="official")
+
+
+def test_attribution_leaves_the_model_as_it_was():
+    model = make_vim().train()
+    parameters = {k: v.clone() for k, v in model.state_dict().items()}
+    mc.MambaAttribution(model).attribute(pixels(), target=1, gradient_rule="residual")
+    assert model.training and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(parameters[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_tiny_config_is_what_the_docstring_says():
+    assert VIM["img_size"] == 32 and VIM["patch_size"] == 8 and make_vim().token_layout().length == LENGTH
