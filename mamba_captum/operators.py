@@ -25,6 +25,7 @@ from .kernels.decay import decay_maps
 from .kernels.reductions import REDUCTIONS, reduce_channels  # noqa: F401 (REDUCTIONS re-exported)
 from .kernels.selective import selective_maps
 from .kernels.ssd import ssd_maps
+from .kernels.taps import post_conv_columns
 
 def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torch.Tensor:
     if mask is None:
@@ -60,30 +61,6 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
     if rows is not None:
         maps = maps[:, :, rows]
     return maps if reduce is None else maps[:, 0]
-
-
-def _tap_contributions(sum_maps, row, col, values, conv_weight, length):
-    """Σ_c g_c[i] · H_c[i, j] · x_c[j] for H_c = diag(row_c) · K_c · diag(col_c) · M_c, with ``sum_maps(row, col)``
-    the channel-summed maps of diag(row) · K · diag(col) (no conv).
-
-    ``M_c diag(x_c)`` is not a column scaling of ``K_c``'s columns, but tap by tap it is: with τ = s − j,
-    ``H_c[i, j] x_c[j] = Σ_τ (row K col)_c[i, j + τ] · w_c[K−1−τ] · x_c[j]``; so each tap τ is one channel-summed map
-    whose column weight is ``col[s] · w[K−1−τ] · x[s − τ]``, shifted left by τ columns. K kernel calls, no (C, L, L)
-    stack. ``values``, ``row``, ``col``: (B, L, *channel dims); ``conv_weight``: (*channel dims, K) or None.
-    """
-    if conv_weight is None:
-        return sum_maps(row, col * values)
-    taps = conv_weight.shape[-1]
-    total = None
-    for tau in range(min(taps, length)):
-        shifted = torch.zeros_like(values)
-        shifted[:, tau:] = values[:, :length - tau]
-        part = sum_maps(row, col * conv_weight[..., taps - 1 - tau] * shifted)  # (B, R, L) over columns s
-        if total is None:
-            total = part.clone()
-        else:
-            total[..., :length - tau] += part[..., tau:]
-    return total
 
 
 def operator_output_grad(operator, grad_output: torch.Tensor) -> torch.Tensor:
@@ -140,16 +117,14 @@ class SelectiveOperator(_CastMixin):
         """Σ_c grad_c[i] · H_c[i, j] · values_c[j]: (B, L, L), or (B, R, L) with ``rows``. grad: (B, L, D)."""
         ones = torch.ones_like(self.delta)
         row = grad.to(self.delta.dtype) * (ones if self.row_weight is None else self.row_weight)
-        col = ones if self.col_weight is None else self.col_weight
-        if self.s6:
-            def sum_maps(r, c):
-                return selective_maps(self.delta, self.A, self.B, self.C, row_weight=r, col_weight=c, rows=rows,
-                                      reduce="sum")
+        values = self.values.to(self.delta.dtype)
+        if self.s6:  # the kernel folds the conv into its keys and weights the conv'd columns by the values
+            out = selective_maps(self.delta, self.A, self.B, self.C, row_weight=row, col_weight=self.col_weight,
+                                 conv_weight=self.conv_weight, value_weight=values, rows=rows, reduce="sum")
         else:
-            def sum_maps(r, c):
-                return banded_maps(r, c, None, rows, "sum")
-        out = _tap_contributions(sum_maps, row, col, self.values.to(self.delta.dtype), self.conv_weight,
-                                 self.delta.shape[1])
+            col = ones if self.col_weight is None else self.col_weight
+            out = post_conv_columns(lambda r, c: banded_maps(r, c, None, rows, "sum"), row, col, values,
+                                    self.conv_weight, self.delta.shape[1])
         return _mask_rows_cols(out, self.mask, rows)
 
     def diagonal(self) -> torch.Tensor:
@@ -286,7 +261,7 @@ class SSDOperator(_CastMixin):
         else:
             def sum_maps(r, c):
                 return banded_maps(r.flatten(2), c.flatten(2), None, rows, "sum")
-        out = _tap_contributions(sum_maps, row, col, values, self.conv_weight, self.delta.shape[1])
+        out = post_conv_columns(sum_maps, row, col, values, self.conv_weight, self.delta.shape[1])
         return _mask_rows_cols(out, self.mask, rows)
 
     def maps(self, reduce="mean", rows=None):
@@ -360,7 +335,7 @@ class DecayOperator:
         ones = torch.ones_like(self.log_decay)
         row = grad.to(torch.float64) * (ones if self.row_weight is None else self.row_weight)
         col = ones if self.col_weight is None else self.col_weight
-        out = _tap_contributions(lambda r, c: self._sum_maps(r, c, None, rows, "sum"), row, col,
+        out = post_conv_columns(lambda r, c: self._sum_maps(r, c, None, rows, "sum"), row, col,
                                  self.values.to(torch.float64), self.conv_weight, self.log_decay.shape[1])
         return _mask_rows_cols(out, self.mask, rows).to(self.out_dtype)
 

@@ -243,3 +243,34 @@ def test_bad_inputs_raise():
 def test_package_exports():
     assert set(selective_pkg.__all__) == {"selective_maps", "selective_maps_blocked", "selective_maps_naive",
                                           "selective_maps_triton"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A column weight after the conv (gradient × operator × input in one call)
+
+
+def test_value_weight_is_a_column_scaling_after_the_conv():
+    delta, A, B, C, weights = make_inputs(batch=2, length=15, channels=4, state=3, taps=4, seed=2)
+    values = torch.randn(2, 15, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    H = selective_maps_naive(delta, A, B, C, **weights, reduce=None)  # (B, D, L, L)
+    expected = H * values.permute(0, 2, 1)[:, :, None, :]
+    got = selective_maps_naive(delta, A, B, C, **weights, value_weight=values, reduce=None)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    # summed over channels it is Σ_c g_c[i] H_c[i, j] x_c[j], whose rows sum to Σ_c g_c[i] (H_c x_c)[i]
+    summed = selective_maps_naive(delta, A, B, C, **weights, value_weight=values, reduce="sum")
+    torch.testing.assert_close(summed.sum(-1), torch.einsum("bcij,bjc->bi", H, values), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length", [1, 7, 33, 70])
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_blocked_value_weight_matches_naive(length, reduce):
+    delta, A, B, C, weights = make_inputs(batch=2, length=length, channels=6, state=5, taps=4, seed=length + 1)
+    values = torch.randn(2, length, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(length))
+    for conv in (weights["conv_weight"], None):
+        kw = dict(weights, conv_weight=conv, value_weight=values)
+        for rows in (None, torch.tensor([0, length - 1, length // 2, length // 2])):
+            ref = selective_maps_naive(delta, A, B, C, **kw, rows=rows, reduce=reduce)
+            assert rel_err(selective_maps_blocked(delta, A, B, C, **kw, rows=rows, reduce=reduce), ref) <= 1e-12
+            out = selective_maps_blocked(*cast((delta, A, B, C), torch.float32), **cast(kw, torch.float32),
+                                         rows=rows, reduce=reduce)
+            assert rel_err(out, ref) <= 1e-5, (conv is None, rows, reduce)

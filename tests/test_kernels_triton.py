@@ -219,3 +219,33 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert done.returncode == 0, done.stderr[-3000:]
     sizes = [int(size) for size in done.stdout.split()]
     assert len(sizes) == 3 and min(sizes) > 0
+
+
+@pytest.mark.parametrize("reduce", ["sum", None])
+def test_selective_value_weight_through_triton_equals_reference(reduce):
+    from mamba_captum.kernels.selective import selective_maps
+
+    inputs = _mamba1_inputs(True)
+    values = _randn(2, LENGTH, 5)
+    expected = selective_maps_naive(**inputs, value_weight=values, rows=MIXED_ROWS, reduce=reduce)
+    with kernel_settings(backend="triton"):
+        got = selective_maps(**_on_device(dict(inputs, value_weight=values)), rows=MIXED_ROWS, reduce=reduce)
+    assert relative_error(got.cpu(), expected) < TOLERANCE
+
+
+def test_vim_maps_and_attribution_through_triton_equal_the_torch_kernels():
+    import mamba_captum as mc
+    from tiny_models import make_vim
+
+    model = make_vim().to(DEVICE)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    for formulation in ("unified", "hidden"):
+        torch_maps = mc.implicit_attention(model, pixels, formulation=formulation, reduce="abs_mean")
+        with kernel_settings(backend="triton"):
+            triton_maps = mc.implicit_attention(model, pixels, formulation=formulation, reduce="abs_mean")
+        for layer in torch_maps:
+            assert relative_error(triton_maps[layer].cpu(), torch_maps[layer].cpu()) < TOLERANCE, (formulation, layer)
+    expected = mc.MambaAttribution(model).attribute(pixels, target=2)
+    with kernel_settings(backend="triton"):
+        got = mc.MambaAttribution(model).attribute(pixels, target=2)
+    assert relative_error(got.cpu(), expected.cpu()) < 1e-4

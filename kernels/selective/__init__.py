@@ -21,9 +21,11 @@ import functools
 
 from typing import Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from ..dispatch import precision, use_triton
+from ..taps import post_conv_columns
 from .blocked import selective_maps_blocked
 from .naive import selective_maps_naive
 from .triton import selective_maps_triton
@@ -33,18 +35,28 @@ __all__ = ["selective_maps", "selective_maps_blocked", "selective_maps_naive", "
 
 def selective_maps(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight: Optional[Tensor] = None,
                    col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
-                   rows: Union[Tensor, Sequence[int], None] = None, reduce: Optional[str] = "mean") -> Tensor:
+                   rows: Union[Tensor, Sequence[int], None] = None, reduce: Optional[str] = "mean",
+                   value_weight: Optional[Tensor] = None) -> Tensor:
     """Mamba-1 channel maps with the best available kernel: Triton for CUDA float32 tensors, else blocked torch.
 
     Args:
         delta: (B, L, D).  A: (D, N).  B, C: (B, L, N).  row_weight, col_weight: (B, L, D) or None.
         conv_weight: (D, K) or None.  rows: None or (R,) query indices.
         reduce: "mean" | "sum" | "abs_mean" | None.
+        value_weight: (B, L, D) or None: a column weight after the conv (``H_c · diag(value_weight[:, c])``).
     Returns:
         (B, L, L) reduced or (B, D, L, L) per channel; R rows instead of L with ``rows``. delta's dtype and device.
     """
-    kernel = selective_maps_blocked
     if use_triton(delta):
-        kernel = functools.partial(selective_maps_triton, precision=precision())
-    return kernel(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight, rows=rows,
-                  reduce=reduce)
+        triton = functools.partial(selective_maps_triton, delta, A, B, C, rows=rows, reduce=reduce,
+                                   precision=precision())
+        if value_weight is None:
+            return triton(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
+        if reduce != "abs_mean":  # linear in the columns: the conv tap by tap (kernels/taps.py)
+            ones = torch.ones_like(delta)
+            return post_conv_columns(lambda r, c: triton(row_weight=r, col_weight=c),
+                                     ones if row_weight is None else row_weight,
+                                     ones if col_weight is None else col_weight, value_weight, conv_weight,
+                                     delta.shape[1])
+    return selective_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight,
+                                  conv_weight=conv_weight, rows=rows, reduce=reduce, value_weight=value_weight)

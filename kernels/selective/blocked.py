@@ -61,27 +61,28 @@ _ROWS_CHUNK_ELEMENTS = 1 << 20  # budget of its (B, rows, L, chunk, N) decay ten
 def selective_maps_blocked(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight: Optional[Tensor] = None,
                            col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
                            rows: Union[Tensor, Sequence[int], None] = None,
-                           reduce: Optional[str] = "mean") -> Tensor:
+                           reduce: Optional[str] = "mean", value_weight: Optional[Tensor] = None) -> Tensor:
     """Channel maps of a Mamba-1 layer, exact, by blocked GEMMs (see the module docstring).
 
     Args:
         delta: (B, L, D) step sizes ≥ 0.  A: (D, N) ≤ 0.  B, C: (B, L, N).
         row_weight, col_weight: (B, L, D) or None (1).  conv_weight: (D, K) or None (identity).
+        value_weight: (B, L, D) or None: ``H_c · diag(value_weight[:, c])``, a column weight after the conv (it
+            scales the conv'd keys, so gradient × operator × input costs one call, not one per conv tap).
         rows: None or (R,) query indices (any order, repeats allowed).
         reduce: "mean" | "sum" (fast path) | "abs_mean" (per-channel blocks, slower) over channels, or None.
     Returns:
         (B, L, L) — or (B, D, L, L) with ``reduce=None``; L query rows become R with ``rows``. Computed in and
         returned as delta's dtype (float32 or float64), on delta's device.
     """
-    rows = validate_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce)
+    rows = validate_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce, value_weight)
     dtype = delta.dtype
     A, B, C = A.to(dtype), B.to(dtype), C.to(dtype)
-    row_weight = None if row_weight is None else row_weight.to(dtype)
-    col_weight = None if col_weight is None else col_weight.to(dtype)
-    conv_weight = None if conv_weight is None else conv_weight.to(dtype)
+    row_weight, col_weight, conv_weight, value_weight = (None if t is None else t.to(dtype) for t in
+                                                         (row_weight, col_weight, conv_weight, value_weight))
     if rows is not None and (reduce is None or _rows_work(rows) <= _FULL_MAP_ROWS[reduce] * delta.shape[1]):
-        return _rows_direct(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce)
-    maps = _Blocked(delta, A, B, C, row_weight, col_weight, conv_weight).maps(reduce)
+        return _rows_direct(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce, value_weight)
+    maps = _Blocked(delta, A, B, C, row_weight, col_weight, conv_weight, value_weight=value_weight).maps(reduce)
     return maps if rows is None else maps[:, rows]  # many rows: the full map is cheaper
 
 
@@ -204,7 +205,8 @@ class _Workspace:
 class _Blocked:
     """The padded inputs and float64 leaf sums shared by all channel chunks of one call."""
 
-    def __init__(self, delta, A, B, C, row_weight, col_weight, conv_weight, leaf: Optional[int] = None):
+    def __init__(self, delta, A, B, C, row_weight, col_weight, conv_weight, leaf: Optional[int] = None,
+                 value_weight: Optional[Tensor] = None):
         leaf = LEAF if leaf is None else leaf
         self.dtype = delta.dtype
         self.batch, self.length, self.channels = delta.shape
@@ -225,6 +227,12 @@ class _Blocked:
         self.col = None if col_weight is None else _pad_tokens(col_weight, pad).view(*shape, self.channels)
         self.conv = conv_weight
         self.conv_taps = None if conv_weight is None else conv_weight.T.contiguous()  # (K, D): unit-stride taps
+        # value weights by accumulator column (output column + K − 1), zero outside [0, L): the conv'd keys of leaf ℓ
+        # cover accumulator columns [ℓ·leaf, ℓ·leaf + leaf + K − 1)
+        self.value = None
+        if value_weight is not None:
+            self.value = value_weight.new_zeros(self.batch, self.padded + self.leaf, self.channels)
+            self.value[:, self.taps_k - 1:self.taps_k - 1 + self.length] = value_weight
         # prefix[:, ℓ] = Σ delta over leaves [0, ℓ), float64 (monotone, so differences are ≥ 0): (B, n_leaves+1, D)
         self.prefix = self.delta.new_zeros((self.batch, self.n_leaves + 1, self.channels), dtype=torch.float64)
         totals = self.prefix[:, 1:]
@@ -297,7 +305,24 @@ class _Blocked:
         if self.conv is not None:
             keys = _fold_conv(keys, self.conv_taps[:, c0:c1], 2,
                               out=ws.get("slab", (self.batch, self.n_leaves, leaf + self.taps_k - 1) + shape[3:]))
+        if self.value is not None:
+            keys.mul_(self._leaf_values(c0, c1)[:, :, :, None, :])
         return queries.flatten(3), keys.flatten(3), leaf_maps
+
+    def _leaf_values(self, c0: int, c1: int) -> Tensor:
+        """Value weights of the leaves' conv'd columns: (B, nl, leaf + K − 1, c), a strided view."""
+        value = self.value[..., c0:c1]
+        strides = value.stride()
+        return value.as_strided((self.batch, self.n_leaves, self.leaf + self.taps_k - 1, c1 - c0),
+                                (strides[0], self.leaf * strides[1], strides[1], strides[2]), value.storage_offset())
+
+    def _folded_leaf_maps(self, leaf_maps: Tensor, c0: int, c1: int) -> Tensor:
+        """The diagonal leaf blocks conv'd per channel and value-weighted: (B, nl, leaf, leaf + K − 1, c)."""
+        taps = None if self.conv is None else self.conv_taps[:, c0:c1]
+        folded = _fold_conv(leaf_maps, taps, dim=3)
+        if self.value is not None:
+            folded = folded * self._leaf_values(c0, c1)[:, :, None]
+        return folded
 
     def _leaf_maps(self, decay: Tensor, queries: Tensor, keys: Tensor, ws: _Workspace):
         """Diagonal leaf blocks per channel by the scan inside each leaf, before the conv: (B, nl, leaf, leaf, c),
@@ -399,8 +424,12 @@ class _Blocked:
         block_acc = [None] * len(self.plan)  # one contiguous accumulator per block batch: GEMMs with beta = 1
         for c0, c1 in self._chunks():
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
-            inner = leaf * (c1 - c0)
-            leaf_acc.addmm_(leaf_maps.view(-1, inner), band[:, c0:c1].reshape(inner, -1))
+            if self.value is None:  # Σ_c of the conv'd leaf maps is one GEMM over (j, c) with the band
+                inner = leaf * (c1 - c0)
+                leaf_acc.addmm_(leaf_maps.view(-1, inner), band[:, c0:c1].reshape(inner, -1))
+            else:  # value weights differ per leaf and column: conv and weight per channel, then sum
+                folded = self._folded_leaf_maps(leaf_maps, c0, c1).sum(-1)
+                leaf_acc[:, :folded.shape[-1]] += folded.reshape(-1, folded.shape[-1])
             factors = self._level_factors(c0, c1)
             for index in range(len(self.plan)):
                 level_q, level_k = self._block_operands(index, queries, keys, factors, ws)
@@ -433,8 +462,7 @@ class _Blocked:
             c1 = min(self.channels, c0 + chunk)
             buf = self.delta.new_zeros(self.batch, c1 - c0, self.padded, self.buf_width)
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
-            taps = None if self.conv is None else self.conv_taps[:, c0:c1]
-            leaf_maps = _fold_conv(leaf_maps, taps, dim=3).permute(0, 4, 1, 2, 3)  # (B, c, nl, leaf, leaf+K−1)
+            leaf_maps = self._folded_leaf_maps(leaf_maps, c0, c1).permute(0, 4, 1, 2, 3)  # (B, c, nl, leaf, leaf+K−1)
             _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, leaf_maps.shape[-1]).copy_(leaf_maps)
             factors = self._level_factors(c0, c1)
             for index, batch in enumerate(self.plan):
@@ -463,7 +491,8 @@ def _rows_work(rows: Tensor) -> int:
                for r0 in range(0, len(unique), _ROWS_PER_BLOCK))
 
 
-def _rows_direct(delta, A, B, C, row_weight, col_weight, conv_weight, rows: Tensor, reduce) -> Tensor:
+def _rows_direct(delta, A, B, C, row_weight, col_weight, conv_weight, rows: Tensor, reduce,
+                 value_weight: Optional[Tensor] = None) -> Tensor:
     """Rows ``rows`` of the maps by the direct formula: cost Σ_r (rows[r] + 1)·D·N, in blocks of rows and channels.
 
     Distinct rows are computed once, in sorted blocks limited to the columns j ≤ the block's last row.
@@ -491,6 +520,8 @@ def _rows_direct(delta, A, B, C, row_weight, col_weight, conv_weight, rows: Tens
                 maps *= row_weight[:, block, None, c0:c1]
             if conv_weight is not None:  # output column s = Σ_t w[K-1-t] · maps[s+t]; drop the K−1 leading columns
                 maps = _fold_conv(maps, conv_weight[c0:c1].T, dim=2)[:, :, conv_weight.shape[1] - 1:]
+            if value_weight is not None:
+                maps *= value_weight[:, None, :n_cols, c0:c1]
             if reduce is None:
                 out[:, c0:c1, r0:r1, :n_cols] = maps.permute(0, 3, 1, 2)
             elif reduce == "abs_mean":

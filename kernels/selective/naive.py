@@ -7,7 +7,8 @@ With ``seg_c(i, j) = Σ_{k=j+1..i} delta[k, c]`` (0 on the diagonal) the hidden 
 
     α_c[i, j] = Σ_n C[i, n] · exp(A[c, n] · seg_c(i, j)) · delta[j, c] · B[j, n]    for j ≤ i, 0 for j > i,
 
-and the full operator is ``H_c = diag(row_weight[:, c]) · α_c · diag(col_weight[:, c]) · M_c`` with ``M_c`` the
+and the full operator is ``H_c = diag(row_weight[:, c]) · α_c · diag(col_weight[:, c]) · M_c`` (times
+``diag(value_weight[:, c])`` on the right when given) with ``M_c`` the
 bias-free causal depthwise conv as a Toeplitz matrix, ``M_c[t, s] = conv_weight[c, K-1-(t-s)]`` for
 0 ≤ t-s < K (what ``F.conv1d(x, w.unsqueeze(1), padding=K-1, groups=D)[..., :L]`` computes). A weight that is
 None is 1 / the identity.
@@ -32,7 +33,8 @@ _EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny) + 1.0 for dtype in (torch
 
 def validate_inputs(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, row_weight: Optional[Tensor],
                     col_weight: Optional[Tensor], conv_weight: Optional[Tensor],
-                    rows: Union[Tensor, Sequence[int], None], reduce) -> Optional[Tensor]:
+                    rows: Union[Tensor, Sequence[int], None], reduce,
+                    value_weight: Optional[Tensor] = None) -> Optional[Tensor]:
     """Check shapes, dtypes and ``reduce``; return ``rows`` as a 1-D int64 tensor on delta's device (or None).
 
     Raises:
@@ -51,14 +53,14 @@ def validate_inputs(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, row_weight: 
     for name, t in (("B", B), ("C", C)):
         if t.shape != (batch, length, state):
             raise ValueError(f"{name} must be (B, L, N) = {(batch, length, state)}, got shape {tuple(t.shape)}")
-    for name, t in (("row_weight", row_weight), ("col_weight", col_weight)):
+    for name, t in (("row_weight", row_weight), ("col_weight", col_weight), ("value_weight", value_weight)):
         if t is not None and t.shape != delta.shape:
             raise ValueError(f"{name} must be (B, L, D) = {tuple(delta.shape)}, got shape {tuple(t.shape)}")
     if conv_weight is not None and (conv_weight.dim() != 2 or conv_weight.shape[0] != channels
                                     or conv_weight.shape[1] < 1):
         raise ValueError(f"conv_weight must be (D, K) = ({channels}, K), got shape {tuple(conv_weight.shape)}")
     for name, t in (("A", A), ("B", B), ("C", C), ("row_weight", row_weight), ("col_weight", col_weight),
-                    ("conv_weight", conv_weight)):
+                    ("conv_weight", conv_weight), ("value_weight", value_weight)):
         if t is not None and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if rows is None:
@@ -87,19 +89,22 @@ def apply_conv_columns(maps: Tensor, conv_weight: Tensor) -> Tensor:
 
 def selective_maps_naive(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight: Optional[Tensor] = None,
                          col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
-                         rows: Union[Tensor, Sequence[int], None] = None, reduce: Optional[str] = "mean") -> Tensor:
+                         rows: Union[Tensor, Sequence[int], None] = None, reduce: Optional[str] = "mean",
+                         value_weight: Optional[Tensor] = None) -> Tensor:
     """Channel maps of a Mamba-1 layer by the direct formula (reference implementation).
 
     Args:
         delta: (B, L, D) step sizes ≥ 0.  A: (D, N) ≤ 0.  B, C: (B, L, N).
         row_weight, col_weight: (B, L, D) or None.  conv_weight: (D, K) or None.
+        value_weight: (B, L, D) or None: a column weight after the conv, ``H_c · diag(value_weight[:, c])`` (the
+            values the operator acts on, for gradient × operator × input).
         rows: None or (R,) query indices (any order, repeats allowed).
         reduce: "mean" | "sum" | "abs_mean" over channels, or None for per-channel maps.
     Returns:
         (B, L, L) — or (B, D, L, L) with ``reduce=None``; L query rows become R with ``rows``. Same dtype and device
         as ``delta``. Segment sums use a float64 cumsum; the rest is computed in delta's dtype.
     """
-    rows = validate_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce)
+    rows = validate_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce, value_weight)
     dtype = delta.dtype
     batch, length, channels = delta.shape
     state = A.shape[1]
@@ -126,6 +131,8 @@ def selective_maps_naive(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_
             alpha = alpha * col_weight[:, :, c0:c1].to(dtype).permute(0, 2, 1)[:, :, None, :]
         if conv_weight is not None:
             alpha = apply_conv_columns(alpha, conv_weight[c0:c1].to(dtype))  # α_c · diag(col_c) · M_c
+        if value_weight is not None:
+            alpha = alpha * value_weight[:, :, c0:c1].to(dtype).permute(0, 2, 1)[:, :, None, :]
         if reduce is None:
             out[:, c0:c1] = alpha
         elif reduce == "abs_mean":

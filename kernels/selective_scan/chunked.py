@@ -17,7 +17,7 @@ import torch
 
 from .naive import _finish, _prepare, accumulation_dtype
 
-CHUNK = 64  # tokens per chunk: the backward holds (B, D, CHUNK, N) slabs
+CHUNK = 64  # tokens per chunk: the backward holds (CHUNK, B, D, N) slabs
 
 
 class _SelectiveScan(torch.autograd.Function):
@@ -31,9 +31,9 @@ class _SelectiveScan(torch.autograd.Function):
             t1 = min(length, t0 + chunk)
             starts.append(state)
             decay, inputs = _slabs(u, delta, A, B, t0, t1)
-            states = _run(decay, inputs, state)  # (B, D, T, N)
-            y[:, :, t0:t1] = torch.einsum("bdtn,bnt->bdt", states, C[:, :, t0:t1].to(acc))
-            state = states[:, :, -1]
+            states = _run(decay, inputs, state)  # (T, B, D, N)
+            y[:, :, t0:t1] = torch.einsum("tbdn,tbn->bdt", states, _tokens_first(C, t0, t1, acc))
+            state = states[-1].clone()  # a copy: a view would keep the whole slab alive
         ctx.save_for_backward(u, delta, A, B, C, *starts)
         ctx.chunk = chunk
         return y.to(u.dtype), state
@@ -44,49 +44,56 @@ class _SelectiveScan(torch.autograd.Function):
         chunk, length, acc = ctx.chunk, u.shape[-1], accumulation_dtype(u)
         grads = [torch.zeros_like(t, dtype=acc) for t in (u, delta, A, B, C)]
         grad_u, grad_delta, grad_A, grad_B, grad_C = grads
-        carried = grad_last.to(acc) if grad_last is not None else torch.zeros_like(starts[0])  # λ after the chunk
-        next_decay = None
+        adjoint_after = grad_last.to(acc) if grad_last is not None else torch.zeros_like(starts[0])  # λ past the chunk
+        decay_after = None  # a of the token after the chunk (None after the last token)
         for index in reversed(range(len(starts))):
             t0 = index * chunk
             t1 = min(length, t0 + chunk)
             decay, inputs = _slabs(u, delta, A, B, t0, t1)
-            states = _run(decay, inputs, starts[index])
-            g = grad_y[:, :, t0:t1].to(acc)
-            c = C[:, :, t0:t1].to(acc)
-            grad_C[:, :, t0:t1] = torch.einsum("bdt,bdtn->bnt", g, states)
-            adjoint = g[..., None] * c.transpose(1, 2)[:, None]  # C_t g_t: (B, D, T, N), becomes λ in place
-            if next_decay is not None:
-                carried = carried * next_decay
+            states = _run(decay, inputs, starts[index])  # (T, B, D, N)
+            g = _tokens_first(grad_y, t0, t1, acc)  # (T, B, D)
+            grad_C[:, :, t0:t1] = torch.einsum("tbd,tbdn->bnt", g, states)
+            adjoint = g[..., None] * _tokens_first(C, t0, t1, acc)[:, :, None, :]  # C_t g_t, becomes λ in place
+            carried = adjoint_after  # λ_t = C_t g_t + a_{t+1} λ_{t+1}, one fused op per token
             for t in reversed(range(t1 - t0)):
-                carried = adjoint[:, :, t].add_(carried)
-                if t:
-                    carried = carried * decay[:, :, t]
-            next_decay = decay[:, :, 0]
-            previous = torch.cat([starts[index][:, :, None], states[:, :, :-1]], dim=2)  # h_{t−1}
+                if decay_after is None:
+                    carried = adjoint[t].add_(carried)
+                else:
+                    carried = adjoint[t].addcmul_(decay_after, carried)
+                decay_after = decay[t]
+            adjoint_after = carried
+            previous = torch.cat([starts[index][None], states[:-1]], dim=0)  # h_{t−1}
             grad_decay = adjoint * previous * decay  # ∂/∂(Δ A) of a = exp(Δ A)
-            d, x, b = delta[:, :, t0:t1].to(acc), u[:, :, t0:t1].to(acc), B[:, :, t0:t1].to(acc)
-            grad_A += torch.einsum("bdtn,bdt->dn", grad_decay, d)
-            grad_inputs = torch.einsum("bdtn,bnt->bdt", adjoint, b)  # ∂(Δ u)
-            grad_delta[:, :, t0:t1] = torch.einsum("bdtn,dn->bdt", grad_decay, A.to(acc)) + grad_inputs * x
-            grad_u[:, :, t0:t1] = grad_inputs * d
-            grad_B[:, :, t0:t1] = torch.einsum("bdtn,bdt->bnt", adjoint, d * x)
+            d, x, b = (_tokens_first(t, t0, t1, acc) for t in (delta, u, B))  # (T, B, D), (T, B, D), (T, B, N)
+            grad_A += torch.einsum("tbdn,tbd->dn", grad_decay, d)
+            grad_inputs = torch.einsum("tbdn,tbn->tbd", adjoint, b)  # ∂(Δ u)
+            grad_delta[:, :, t0:t1] = (torch.einsum("tbdn,dn->tbd", grad_decay, A.to(acc))
+                                       + grad_inputs * x).permute(1, 2, 0)
+            grad_u[:, :, t0:t1] = (grad_inputs * d).permute(1, 2, 0)
+            grad_B[:, :, t0:t1] = torch.einsum("tbdn,tbd->bnt", adjoint, d * x)
         return (grad_u.to(u.dtype), grad_delta.to(delta.dtype), grad_A.to(A.dtype), grad_B.to(B.dtype),
                 grad_C.to(C.dtype), None)
 
 
+def _tokens_first(x, t0, t1, acc):
+    """Tokens [t0, t1) of a (B, X, L) tensor as a contiguous (T, B, X) tensor in the accumulation dtype."""
+    return x[:, :, t0:t1].permute(2, 0, 1).to(acc).contiguous()
+
+
 def _slabs(u, delta, A, B, t0, t1):
-    """Decays exp(Δ A) and inputs Δ B u of tokens [t0, t1): (B, D, T, N) in the accumulation dtype."""
+    """Decays exp(Δ A) and inputs Δ B u of tokens [t0, t1): (T, B, D, N) in the accumulation dtype, token-major so
+    that each token's (B, D, N) slice is contiguous (the per-token loops run on contiguous memory)."""
     acc = accumulation_dtype(u)
-    d = delta[:, :, t0:t1].to(acc)
-    decay = torch.exp(d[..., None] * A.to(acc)[:, None, :])
-    inputs = (d * u[:, :, t0:t1].to(acc))[..., None] * B[:, None, :, t0:t1].to(acc).transpose(2, 3)
+    d = _tokens_first(delta, t0, t1, acc)
+    decay = torch.exp(d[..., None] * A.to(acc))
+    inputs = (d * _tokens_first(u, t0, t1, acc))[..., None] * _tokens_first(B, t0, t1, acc)[:, :, None, :]
     return decay, inputs
 
 
 def _run(decay, inputs, state):
-    """States h_t of one chunk from its start state, in place in ``inputs``: (B, D, T, N)."""
-    for t in range(inputs.shape[2]):
-        state = inputs[:, :, t].addcmul_(decay[:, :, t], state)
+    """States h_t of one chunk from its start state, in place in ``inputs``: (T, B, D, N)."""
+    for t in range(inputs.shape[0]):
+        state = inputs[t].addcmul_(decay[t], state)
     return inputs
 
 
