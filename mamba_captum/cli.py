@@ -37,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(parser, model_required=True):
     if model_required:
-        parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained)")
+        parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained); "
+                            "with --image, a Vision Mamba checkpoint file (.pth)")
     parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights' dtype (default float32)")
@@ -49,7 +50,8 @@ def _method_args(parser):
     parser.add_argument("--target", default=None,
                         help="what to explain: a label word / token, or an id (default: the prediction)")
     parser.add_argument("--labels", nargs="+", default=None,
-                        help="a causal LM's candidate answer tokens (default: config.label_words if set)")
+                        help="a causal LM's candidate answer tokens (default: config.label_words if set); with "
+                        "--image, the class names in class order")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
             source = sub.add_mutually_exclusive_group(required=True)
             source.add_argument("--text", action="append", help="a text to explain (repeatable)")
             source.add_argument("--dataset", type=Path, help='a JSONL file, one {"text": ..., "target": ...} a line')
+            source.add_argument("--image", action="append", type=Path,
+                                help="an image file (PNG, JPEG, ...) to explain with a Vim checkpoint (repeatable)")
+            sub.add_argument("--img-size", type=int, default=None,
+                             help="with --image: the Vim's training image size, if not 224")
             sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
             sub.add_argument("--jsonl", type=Path, default=None,
                              help="the results as JSONL (default with --dataset: DATASET.explained.jsonl)")
@@ -174,8 +180,48 @@ def _demo(args):
     _write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
 
 
+def _explain_images(args):
+    from .html_report import render_image_html
+    from .vision.explain import explain_images, load_vim_file
+
+    for path in (args.jsonl, args.out):
+        if path is not None:
+            _writable_file(path)
+    for image in args.image:  # every file, before the model is loaded
+        if not image.is_file():
+            raise UsageError(f"no image file at {str(image)!r}.")
+    model = load_vim_file(args.model, device=args.device, dtype=args.dtype, img_size=args.img_size)
+    if args.labels:  # class names, in class order
+        if len(args.labels) != model.num_classes:
+            raise UsageError(f"--labels gives {len(args.labels)} names for a model of {model.num_classes} classes.")
+        model.class_names = list(args.labels)
+    explanations = explain_images(model, [str(p) for p in args.image], target=args.target,
+                                  methods=args.method or ("raw", "rollout", "attribution"),
+                                  formulation=args.formulation)
+    for item in explanations:
+        item.settings["model"] = f"{Path(args.model).name} ({item.settings['model']})"
+        peaks = {name: _peak_patch(scores) for name, scores in item.relevance.items()}
+        print(f"{item.path}: class {item.prediction} (p = {item.probability:.3f}); explained: {item.target}; "
+              "most relevant pixel (row, column): " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
+    if args.jsonl is not None:
+        args.jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+        print(f"results: {args.jsonl} ({len(explanations)} lines)")
+    if args.out is not None:
+        args.out.write_text(render_image_html(explanations, title=f"mamba-captum: {Path(args.model).name}"),
+                            encoding="utf-8")
+        print(f"report: {args.out}")
+
+
+def _peak_patch(scores) -> tuple[int, int]:
+    flat = int(scores.abs().argmax())
+    return divmod(flat, scores.shape[-1])
+
+
 def _explain(args):
     from .explain import encode_text, explain, label_words, load, resolve_target
+
+    if args.image:
+        return _explain_images(args)
 
     # read before anything is written: --jsonl naming the dataset would otherwise empty it
     rows = _read_dataset(args.dataset) if args.dataset else None

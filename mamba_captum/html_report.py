@@ -120,3 +120,50 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
         parts.append("</section>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def overlay_rgb(image, relevance) -> torch.Tensor:
+    """An image (H, W, 3) in [0, 1] with its (H, W) relevance laid over it: red for positive, blue for negative,
+    opacity growing with |relevance| / its largest |value| (at most 0.75). Returns (H, W, 3) uint8."""
+    image = torch.as_tensor(image, dtype=torch.float64)
+    relevance = torch.as_tensor(relevance, dtype=torch.float64)
+    peak = relevance.abs().max()
+    unit = relevance / peak if peak > 0 else relevance
+    alpha = (0.75 * unit.abs())[..., None]
+    colour = torch.where(unit[..., None] >= 0, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
+                         torch.tensor([0.0, 0.2, 1.0], dtype=torch.float64))
+    return ((image * (1 - alpha) + colour * alpha) * 255).round().clamp(0, 255).to(torch.uint8)
+
+
+IMAGE_STYLE = """
+.images { display: flex; flex-wrap: wrap; gap: 1em; } .images figure { margin: 0; text-align: center; }
+.images img { width: 224px; height: 224px; image-rendering: pixelated; border: 1px solid #ccc; }
+"""
+
+
+def render_image_html(explanations, *, title: str = "mamba-captum report") -> str:
+    """The report of :class:`~mamba_captum.vision.explain.ImageExplanation` s as one HTML string: per image, the
+    image and one overlay per method (images inlined; no scripts, no external resources)."""
+    settings = {**(explanations[0].settings if explanations else {}), "mamba-captum": __version__}
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
+                   for k, v in settings.items())
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{STYLE}{IMAGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+             f"<table class='settings'>{rows}</table>",
+             "<p class='legend'>Relevance laid over each image, scaled per method by its largest |value|: "
+             "<mark class='token' style='background-color: rgb(255, 64, 64)'>positive</mark> "
+             "<mark class='token' style='background-color: rgb(64, 96, 255)'>negative</mark></p>"]
+    for number, item in enumerate(explanations, start=1):
+        image = torch.as_tensor(item.image, dtype=torch.float64)
+        parts.append(f"<section class='example'><h2>{number}. {html.escape(item.path)}</h2>"
+                     f"<p>Prediction: <b>{html.escape(item.prediction)}</b> (p = {item.probability:.3f}); explained: "
+                     f"<b>{html.escape(item.target)}</b> (p = {item.target_probability:.3f}).</p><div class='images'>"
+                     f"<figure><img alt='the image' src='{_data_uri(png_bytes((image * 255).round().to(torch.uint8)))}'>"
+                     "<figcaption>input</figcaption></figure>")
+        for name, relevance in item.relevance.items():
+            overlay = png_bytes(overlay_rgb(image, relevance))
+            parts.append(f"<figure><img alt='{html.escape(name)} overlay' src='{_data_uri(overlay)}'>"
+                         f"<figcaption>{html.escape(METHOD_TITLES.get(name, name))}</figcaption></figure>")
+        parts.append("</div></section>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
