@@ -352,8 +352,10 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
     """Per-layer implicit-attention maps: the data-controlled matrices H with ``y = H x`` of every token mixer.
 
     Args:
-        model: a transformers model with Mamba / Mamba-2 mixers (pure or hybrid), as loaded (any kernel path).
-        input_ids: (B, L) token ids (or pass ``inputs_embeds=`` (B, L, D) in ``forward_kwargs``).
+        model: a transformers model with supported token mixers (pure or hybrid), as loaded (any kernel path), or
+            a Vision Mamba (:mod:`mamba_captum.vision`).
+        input_ids: (B, L) token ids (or pass ``inputs_embeds=`` (B, L, D) in ``forward_kwargs``); for a Vision
+            Mamba, pixel values (B, C, H, W): the maps are over its L patch and CLS tokens, in its own order.
         attention_mask: (B, L), 1 for real tokens; left or right padding.
         formulation: ``"unified"`` (gate · S6 · activation · conv [· norm], Zimerman et al.) or ``"hidden"``
             (the S6 / SSD part alone, Ali et al.).

@@ -21,8 +21,9 @@ def test_mkdocs_builds_strict(tmp_path):
     assert "MambaAttribution" in api and "AttributionCallback" in api  # the reference came from the docstrings
 
 
-def test_there_are_the_three_notebooks():
-    assert [p.name for p in NOTEBOOKS] == ["causal_lm_walkthrough.ipynb", "hybrid_jamba.ipynb", "quickstart.ipynb"]
+def test_there_are_the_four_notebooks():
+    assert [p.name for p in NOTEBOOKS] == ["causal_lm_walkthrough.ipynb", "hybrid_jamba.ipynb", "quickstart.ipynb",
+                                          "vision_vim.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -120,14 +120,16 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         """Relevance of every input token for the explained output.
 
         Args:
-            inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either.
+            inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either;
+                for a Vision Mamba, pixel values (B, C, H, W).
             target: the explained class: int, a 1-tuple, one per example (list or 1-D tensor), or None (argmax).
                 Class-agnostic methods check it and otherwise ignore it.
             additional_forward_args: a dict of keywords for the model (e.g. ``{"position_ids": ...}``), or a tuple
                 of positional arguments after the inputs (token-id inputs or ``forward_func`` only).
             attention_mask: (B, L), 1 for real tokens; left or right padding.
             position: the query token (causal LM or ``forward_func``): int, one per example, or None for the last
-                real token. A sequence-classification head always explains its pooled token.
+                real token. A sequence-classification head always explains its pooled token, an image classifier
+                its CLS token (or, without one, the mean of all rows).
             formulation: ``"unified"`` (gate · S6 · act · conv [· norm]) or ``"hidden"`` (S6 alone).
             start_layer: first decoder layer used (negative allowed); None: 0, or the official start with
                 ``recipe="official"`` (15 of 24 layers).
@@ -141,7 +143,8 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Returns:
             (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
-            a 1-tuple when ``inputs`` was a tuple.
+            (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); a
+            1-tuple when ``inputs`` was a tuple.
         """
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,

@@ -33,7 +33,7 @@ __all__ = [
     "roc_auc", "precision_at_k", "relevance_mass", "localisation_scores",
     "trapezoid",
     "activation_curve", "auac", "pruning_curve", "au_mse", "deletion_curve", "deletion_auc", "random_relevance",
-    "segmentation_scores", "binary_auc", "mean_binary_auc",
+    "segmentation_scores", "binary_auc", "mean_binary_auc", "pixel_deletion_curve",
 ]
 
 DEFAULT_FRACTIONS = tuple(i / 10 for i in range(11))  # 0.0, 0.1, ..., 1.0 (activation / pruning curves)
@@ -588,3 +588,43 @@ def binary_auc(maps, masks) -> torch.Tensor:
 def mean_binary_auc(maps, masks) -> float:
     """NaN-skipping mean of ``binary_auc`` over the images (NaN if no image has both classes)."""
     return torch.nanmean(binary_auc(maps, masks)).item()
+
+
+def pixel_deletion_curve(forward_func: Callable[[torch.Tensor], torch.Tensor], images, relevance, labels,
+                         most_relevant_first: bool = True, steps=None, removed_value: float = 0.0,
+                         batch_size: int = 256) -> torch.Tensor:
+    """Chefer et al.'s image perturbation test: top-1 accuracy as pixels are removed in order of relevance.
+
+    At step t the k = round(t · H · W) pixels ranked first (most relevant first if ``most_relevant_first``:
+    "positive perturbation", lower area is better; least relevant first: "negative perturbation", higher is
+    better) are set to ``removed_value`` in every channel (0: the mean of normalised pixels, as their code zeroes
+    them); an image counts as a hit when the model's top-1 class is its label. Ties: lower pixel index first.
+
+    Args:
+        forward_func: images (n, C, H, W) -> logits (n, K).
+        images: (B, C, H, W).  relevance: (B, H, W) per-pixel scores.  labels: (B,) the classes counted as hits.
+        steps: (S,) fractions in [0, 1]; default 0.1, ..., 0.9.
+    Returns:
+        (S,) float64 accuracies. ``deletion_auc(curve, clean_accuracy=...)`` gives Chefer's area (×100).
+    """
+    images = torch.as_tensor(images)
+    relevance = _float_scores(relevance, "relevance", 3, "(B, H, W), one score per pixel")
+    if images.dim() != 4 or relevance.shape != (images.shape[0], *images.shape[2:]):
+        raise ValueError(f"mamba_captum: images (B, C, H, W) = {tuple(images.shape)} and relevance (B, H, W) = "
+                         f"{tuple(relevance.shape)} do not match.")
+    labels = torch.as_tensor(labels).long().cpu()
+    steps = _grid(steps, DEFAULT_DELETION_STEPS, "steps")
+    batch, pixels = relevance.shape[0], relevance[0].numel()
+    order = torch.sort(-relevance.flatten(1) if most_relevant_first else relevance.flatten(1), dim=1,
+                       stable=True).indices  # (B, H·W): pixels in removal order
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(pixels).expand(batch, -1))
+    hits = torch.zeros(len(steps), dtype=torch.float64)
+    for s, step in enumerate(steps.tolist()):
+        removed = (rank < round(step * pixels)).view(batch, 1, *images.shape[2:]).to(images.device)
+        perturbed = torch.where(removed, torch.full_like(images, removed_value), images)
+        with torch.no_grad():
+            predictions = torch.cat([forward_func(perturbed[i:i + batch_size]).argmax(-1).cpu()
+                                     for i in range(0, batch, batch_size)])
+        hits[s] = (predictions == labels).double().mean()
+    return hits

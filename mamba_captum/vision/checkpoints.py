@@ -163,7 +163,8 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
             the state dict under ``"model"``.
         img_size: the image size the model was trained at (224 unless given): with the number of position
             embeddings it fixes the stride (16 or 8 for the released models).
-        dtype, device: where to put the model (default: as loaded, on CPU).
+        dtype: the model's dtype (default: as stored).
+        device: where to put the model (default: CPU).
         **overrides: :class:`VisionMamba` arguments the weights cannot tell, e.g. ``cls_position="first"``.
 
     Raises:

@@ -1,0 +1,57 @@
+"""``python -m mamba_captum.evaluation.vision``: the image faithfulness suite (docs/faithfulness.md, "Images").
+
+- ``--train shapes digits``: train the tiny Vims from their fixed seeds and save them into the package
+  (:mod:`.vision_models`); the shipped weights are what this command writes.
+- default: score every method on the shipped models (:mod:`.vision_compare`) and write the generated image
+  section of ``docs/faithfulness.md``, its plots and ``docs/assets/faithfulness/images.json``
+  (``--report-only`` rewrites the section from that file).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .vision_models import VISION_TASKS, save_vim, train_vim
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mamba_captum.evaluation.vision",
+                                     description="The image faithfulness suite on tiny Vision Mamba models.")
+    parser.add_argument("--train", nargs="+", choices=VISION_TASKS, default=None,
+                        help="train and save these models instead of scoring")
+    parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--task", nargs="+", choices=VISION_TASKS, default=list(VISION_TASKS))
+    parser.add_argument("--examples", type=int, default=128, help="held-out images scored per task")
+    parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
+    parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
+    parser.add_argument("--weights", type=Path, default=None)
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args(argv)
+    if args.train:
+        for task in args.train:
+            model, record = train_vim(task, max_steps=args.max_steps)
+            folder = save_vim(model, record, args.weights)
+            print(json.dumps(record), f"-> {folder}", flush=True)
+        return
+    from .vision_compare import evaluate_images, write_image_report
+
+    if args.report_only:
+        results = json.loads((args.assets / "images.json").read_text())
+        write_image_report(results, args.doc, args.assets, results["command"])
+        print(f"rewrote the image section of {args.doc} from {args.assets}/images.json")
+        return
+    start = time.perf_counter()
+    results = evaluate_images(args.task, examples=args.examples, weights_root=args.weights,
+                              log=lambda row: print(row, flush=True))
+    given = sys.argv[1:] if argv is None else list(argv)
+    results["command"] = " ".join(["python -m mamba_captum.evaluation.vision", *given])
+    results["seconds"] = round(time.perf_counter() - start, 1)
+    write_image_report(results, args.doc, args.assets, results["command"])
+    print(f"wrote the image section of {args.doc} and {args.assets}/images.json")
+
+
+if __name__ == "__main__":
+    main()
