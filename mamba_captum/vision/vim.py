@@ -127,8 +127,9 @@ class VimMixer(nn.Module):
         delta = (dt @ dt_proj.weight.t()).transpose(1, 2)  # the bias is added inside the scan
         keep = torch.float64 if A_log.dtype == torch.float64 else torch.float32  # A, D, Δ bias in float32 (as mamba-ssm)
         A = -torch.exp(A_log.to(keep))
-        return selective_scan(u, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(),
-                              D=D.to(keep), z=z, delta_bias=dt_proj.bias.to(keep), delta_softplus=True)
+        y = selective_scan(u, delta, A, B.transpose(1, 2).contiguous(), C.transpose(1, 2).contiguous(),
+                           D=D.to(keep), z=z, delta_bias=dt_proj.bias.to(keep), delta_softplus=True)
+        return y.to(x.dtype)  # as mamba-ssm: the scan's output in its input's dtype (the float32 D promotes it)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(B, L, D_model) -> (B, L, D_model)."""
