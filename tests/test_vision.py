@@ -4,6 +4,7 @@ grid, the CLS token in the middle (index 8), L = 17, d_inner = 24, N = 4, K = 4.
 import argparse
 import contextlib
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,10 +108,12 @@ def test_missing_unexpected_and_mismatched_keys_are_named():
     assert "layers.0.mixer.out_proj.weight (12, 23) (model: (12, 24))" in message
 
 
-def test_a_stride_that_does_not_fit_asks_for_the_image_size():
-    state = make_vim().state_dict()  # a 4×4 grid of 8-pixel patches: 32-pixel images, not 224
-    with pytest.raises(ValueError, match="pass img_size="):
-        load_vim({k: v for k, v in state.items()}, img_size=37)
+def test_an_image_size_that_cannot_hold_the_grid_is_refused():
+    state = make_vim().state_dict()  # a 4×4 grid of 8-pixel patches: 10-pixel images hold at most 3×3
+    with pytest.raises(ValueError, match="no stride without gaps gives 16 patches"):
+        load_vim(state, img_size=10)
+    with pytest.raises(ValueError, match="stride=6 does not give 16 patches"):
+        load_vim(state, img_size=32, stride=6)
 
 
 # -- the forward pass ---------------------------------------------------------------------------------------------
@@ -460,3 +463,65 @@ def test_half_precision_vims_are_explained(dtype, bound):
         assert relative_error(half[layer], full[layer]) < bound
     relevance = mc.MambaAttribution(make_vim(dtype=dtype)).attribute(x.to(dtype), target=1)
     assert relevance.dtype == dtype and bool(torch.isfinite(relevance).all())
+
+
+# -- review findings: checkpoints of other sizes, forward_func on pixels, explain_images ---------------------------
+def test_a_model_not_trained_at_224_needs_its_image_size():
+    state = make_vim().state_dict()  # 4×4 grid of 8-pixel patches: at 224 it would only fit with gaps (stride 72)
+    with pytest.raises(ValueError, match="pass img_size="):
+        load_vim(state)
+    assert load_vim(state, img_size=32).patch_embed.stride == 8
+
+
+@pytest.mark.parametrize("options", [dict(img_size=36, stride=8), dict(img_size=(32, 48)),
+                                     dict(img_size=(24, 40), stride=4, cls_position=None)])
+def test_any_vision_mamba_round_trips_through_load_vim(options):
+    model = make_vim(**options)
+    loaded = load_vim(model.state_dict(), img_size=options["img_size"],
+                      **{k: v for k, v in options.items() if k != "img_size"})
+    height, width = (options["img_size"],) * 2 if isinstance(options["img_size"], int) else options["img_size"]
+    x = torch.randn(1, 3, height, width)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded.patch_embed.grid_size == model.patch_embed.grid_size
+
+
+def test_load_vim_keeps_the_stored_dtype():
+    state = {k: v.half() for k, v in make_vim().state_dict().items()}
+    assert next(load_vim(state, img_size=32).parameters()).dtype == torch.float16
+    assert next(load_vim(state, img_size=32, dtype=torch.float32).parameters()).dtype == torch.float32
+
+
+def test_a_forward_func_that_resizes_pixels_is_refused():
+    model = make_vim()
+    upsample = lambda x: model(F.interpolate(x, size=(32, 32)))  # noqa: E731
+    with pytest.raises(ValueError, match="resizes or reshapes"):
+        mc.MambaAttribution(model, forward_func=upsample).attribute(torch.randn(1, 3, 16, 16), target=0)
+    normalising = lambda x: model((x - 0.5) / 0.25)  # noqa: E731 (the same pixels, normalised: explained)
+    assert mc.MambaRollout(model, forward_func=normalising).attribute(pixels()).shape == (2, 1, 32, 32)
+
+
+def test_explain_images_takes_batches_and_refuses_a_headless_model():
+    from mamba_captum.explain import UsageError
+    from mamba_captum.vision.explain import explain_images
+
+    model = make_vim()
+    assert len(explain_images(model, [pixels(batch=3)], methods="rollout")) == 3
+    headless = load_vim({k: v for k, v in model.state_dict().items() if not k.startswith("head.")}, img_size=32)
+    with pytest.raises(UsageError, match="no classifier head"):
+        explain_images(headless, [pixels(batch=1)])
+
+
+def test_preprocess_follows_torchvisions_resize_and_centre_crop(tmp_path):
+    """torchvision's Resize truncates the longer side (int(256 · 640 / 427) = 383) and CenterCrop rounds the
+    offsets: a 640×427 image is resized to 383×256 and cropped at left round(79.5) = 80, top round(16) = 16."""
+    from PIL import Image
+
+    row = torch.arange(640, dtype=torch.float32)[None, :, None].expand(427, 640, 3)
+    Image.fromarray((row / 640 * 255).byte().numpy()).save(tmp_path / "wide.png")
+    resized = Image.open(tmp_path / "wide.png").convert("RGB").resize((383, 256), Image.BICUBIC)
+    expected = torch.from_numpy(numpy.asarray(resized.crop((80, 16, 304, 240)), dtype=numpy.float32) / 255.0)
+    got = preprocess(tmp_path / "wide.png")[0] * torch.tensor([0.229, 0.224, 0.225])[:, None, None] \
+        + torch.tensor([0.485, 0.456, 0.406])[:, None, None]
+    assert torch.allclose(got.permute(1, 2, 0), expected, atol=1e-6)
+    assert preprocess(tmp_path / "wide.png", size=(32, 48)).shape == (1, 3, 32, 48)

@@ -65,7 +65,8 @@ def test_the_cli_explains_images_into_a_report_and_jsonl(files, capsys, tmp_path
     (("--image", "{folder}/a.png", "--labels", "one", "two"), "2 names for a model of 5 classes"),
     (("--image", "{folder}/a.png", "--target", "cat"), "not a class index"),
     (("--image", "{folder}/a.png", "--target", "7"), "outside the model's classes"),
-    (("--image", "{folder}/a.png", "--img-size", "33"), "img_size"),
+    (("--image", "{folder}/a.png", "--img-size", "10"), "no stride without gaps"),
+    (("--image", "{folder}/a.png", "--img-size", "224"), "no stride without gaps"),
     (("--image", "{folder}/vim.pth"), "not an image"),
 ])
 def test_bad_image_requests_are_one_line(files, capsys, args, message):

@@ -432,7 +432,9 @@ class Runner:
 
     def _check_tokens_seen(self, trace, inputs, mask):
         """The layers must have mixed the explained tokens, as given: the relevance is laid over the inputs' positions.
-        A ``forward_func`` that adds (a prompt template), drops or reorders tokens or examples would shift it.
+        A ``forward_func`` that adds (a prompt template), drops or reorders tokens or examples would shift it. Shapes
+        are checked always; token ids also by value (pixels cannot be: a forward_func may rightly normalise them, so
+        it must keep the examples' order).
 
         Raises:
             ValueError: naming what the layers saw and what the inputs are.
@@ -459,6 +461,11 @@ class Runner:
         positions are unused: its query weights are the layout's)."""
         if self.forward_func is None:
             check_pixels(self.model, inputs, self.layout)
+        elif inputs.dim() != 4 or tuple(inputs.shape[-2:]) != tuple(self.layout.img_size):
+            raise ValueError(
+                f"mamba_captum: the inputs are {tuple(inputs.shape)}, the model's images "
+                f"{tuple(self.layout.img_size)}: the relevance is laid over the model's image, so a forward_func "
+                "that resizes or reshapes the pixels would misplace it. Pass images of the model's size.")
         if attention_mask is not None:
             raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
         if position is not None:

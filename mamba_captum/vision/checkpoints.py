@@ -87,10 +87,39 @@ def _state_dict_of(checkpoint, source) -> dict:
     return {key.removeprefix("module."): value for key, value in checkpoint.items()}
 
 
-def detect_config(state: dict, img_size=None) -> dict:
+def _pair(size):
+    return (size, size) if isinstance(size, int) else tuple(int(v) for v in size)
+
+
+def _stride(patches: int, patch, img_size, stride, guessed_size: bool) -> int:
+    """The stride that gives ``patches`` patches of size ``patch`` on ``img_size`` images (floor division, as the
+    model's grid): the given one if it fits; else the patch size, or the largest overlapping stride that fits.
+    Strides that leave gaps between patches (no released Vim has them) are only taken when given."""
+    (height, width), (patch_h, patch_w) = _pair(img_size), _pair(patch)
+    count = lambda s: ((height - patch_h) // s + 1) * ((width - patch_w) // s + 1)  # noqa: E731
+    fits = [s for s in range(1, max(height, width) + 1) if height >= patch_h and width >= patch_w
+            and count(s) == patches]
+    where = f"{patches} patches of {patch_h}×{patch_w} pixels on {height}×{width} images"
+    if stride is not None:
+        if stride not in fits:
+            raise ValueError(f"mamba_captum: stride={stride} does not give {where}; check img_size= and stride=.")
+        return stride
+    no_gaps = [s for s in fits if s <= min(patch_h, patch_w)]
+    if patch_h == patch_w and patch_h in fits:
+        return patch_h
+    if no_gaps:
+        return max(no_gaps)
+    hint = "pass img_size= (the training image size)" if guessed_size else \
+        "pass stride= too if the model was trained with gaps between patches"
+    raise ValueError(f"mamba_captum: no stride without gaps gives {where} (the position embeddings' count); {hint}.")
+
+
+def detect_config(state: dict, img_size=None, stride=None) -> dict:
     """The :class:`VisionMamba` arguments that give ``state``'s keys and shapes.
 
-    The stride is read from the number of position embeddings and the image size (224 unless given).
+    The stride is read from the number of position embeddings and the image size (224 unless given; an int or
+    (height, width)): the patch size if it fits, else the largest overlapping stride that does. ``stride`` given
+    is checked instead.
 
     Raises:
         ValueError: a key the detection needs is missing, or the shapes fit no Vim.
@@ -101,28 +130,19 @@ def detect_config(state: dict, img_size=None) -> dict:
                              f"with {sorted(state)[:4]}).")
         return state[key]
 
-    proj = need("patch_embed.proj.weight")  # (D, C, p, p)
-    embed_dim, channels, patch = proj.shape[0], proj.shape[1], proj.shape[2]
+    proj = need("patch_embed.proj.weight")  # (D, C, patch height, patch width)
+    embed_dim, channels, patch = proj.shape[0], proj.shape[1], (proj.shape[2], proj.shape[3])
     layers = {int(m.group(1)) for key in state if (m := re.match(r"layers\.(\d+)\.", key))}
     if not layers:
         raise ValueError("mamba_captum: the state dict has no layers.{i}.* keys: it is not a Vim checkpoint.")
     a_log = need("layers.0.mixer.A_log")  # (D_in, N)
     has_cls = "cls_token" in state
     tokens = need("pos_embed").shape[1]
-    patches = tokens - has_cls
-    side = math.isqrt(patches)
-    if side * side != patches:
-        raise ValueError(f"mamba_captum: pos_embed has {tokens} tokens; a square patch grid is expected.")
-    img = img_size if img_size is not None else 224
-    if side == 1:
-        stride = patch
-    else:
-        stride, rest = divmod(img - patch, side - 1)
-        if rest or stride <= 0:
-            raise ValueError(f"mamba_captum: a {side}×{side} patch grid of {patch}-pixel patches does not fit "
-                             f"{img}-pixel images with a whole stride; pass img_size= (the training image size).")
+    stride = _stride(tokens - has_cls, patch, 224 if img_size is None else img_size, stride, img_size is None)
     head = state.get("head.weight")
-    return dict(img_size=img, patch_size=patch, stride=stride, channels=channels, depth=max(layers) + 1,
+    img = 224 if img_size is None else img_size
+    return dict(img_size=img, patch_size=patch[0] if patch[0] == patch[1] else patch, stride=stride,
+                channels=channels, depth=max(layers) + 1,
                 embed_dim=embed_dim, d_state=a_log.shape[1], expand=a_log.shape[0] / embed_dim,
                 d_conv=need("layers.0.mixer.conv1d.weight").shape[-1],
                 dt_rank=need("layers.0.mixer.dt_proj.weight").shape[1],
@@ -161,9 +181,9 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
     Args:
         checkpoint: a path to an official ``.pth`` file (weights under ``"model"``), a state dict, or a dict with
             the state dict under ``"model"``.
-        img_size: the image size the model was trained at (224 unless given): with the number of position
-            embeddings it fixes the stride (16 or 8 for the released models).
-        dtype: the model's dtype (default: as stored).
+        img_size: the image size the model was trained at (224 unless given; an int or (height, width)): with
+            the number of position embeddings it fixes the stride (16 or 8 for the released models).
+        dtype: the model's dtype (default: the stored dtype of the patch embedding).
         device: where to put the model (default: CPU).
         **overrides: :class:`VisionMamba` arguments the weights cannot tell, e.g. ``cls_position="first"``.
 
@@ -174,12 +194,15 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
         state = read_checkpoint(checkpoint)
     else:
         state = _state_dict_of(checkpoint, "the given dict")
-    config = {**detect_config(state, img_size), **overrides}
+    config = {**detect_config(state, img_size, overrides.get("stride")), **overrides}
     if float(config["expand"]).is_integer():
         config["expand"] = int(config["expand"])
     model = VisionMamba(**config)
+    if dtype is None:  # the stored dtype (of the patch embedding; released checkpoints are float32)
+        dtype = state["patch_embed.proj.weight"].dtype
+    model = model.to(dtype)
     load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
-    if dtype is not None or device is not None:
-        model = model.to(device=device, dtype=dtype)
+    if device is not None:
+        model = model.to(device=device)
     return model.eval()

@@ -88,27 +88,38 @@ def resolve_class(model, target) -> int | None:
 
 def explain_images(model, images, *, target=None, methods=tuple(METHODS), formulation: str = "unified",
                    paths=None) -> list[ImageExplanation]:
-    """Explain each image (a path, a PIL image, or a (1, 3, H, W) / (3, H, W) pixel tensor) with ``methods``.
+    """Explain each image (a path, a PIL image, or a (3, H, W) / (B, 3, H, W) pixel tensor: B images) with
+    ``methods``.
 
     Files and PIL images are preprocessed as the official evaluation does (:func:`preprocess`, at the model's
     image size). Returns one :class:`ImageExplanation` per image.
     """
     images = list(images) if isinstance(images, (list, tuple)) else [images]
+    flat = []  # a (B, 3, H, W) tensor is B images
+    for image in images:
+        if torch.is_tensor(image) and image.dim() == 4:
+            flat.extend(image[i:i + 1] for i in range(image.shape[0]))
+        else:
+            flat.append(image)
+    images = flat
+    if getattr(model, "num_classes", 1) <= 0 or not isinstance(getattr(model, "head", None), torch.nn.Linear):
+        raise UsageError("the model has no classifier head (num_classes=0): there is no class to explain; load a "
+                         "checkpoint with its head weights.")
     methods = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods))
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}; choose among {', '.join(METHODS)}.")
     wanted = resolve_class(model, target)
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    size = model.token_layout().img_size[0]
+    size = tuple(model.token_layout().img_size)
     results = []
     for number, image in enumerate(images):
         if torch.is_tensor(image):
-            pixels = image if image.dim() == 4 else image[None]
+            pixels = image if image.dim() == 4 else image[None]  # (1, 3, H, W)
             name = paths[number] if paths else f"image {number + 1}"
         else:
             try:
-                pixels = preprocess(image, size=size)
+                pixels = preprocess(image, size=size if size[0] != size[1] else size[0])
             except (FileNotFoundError, ValueError) as error:
                 raise UsageError(str(error).removeprefix("mamba_captum: ")) from None
             name = str(image) if isinstance(image, (str, Path)) else f"image {number + 1}"

@@ -1,7 +1,8 @@
 """Image files in, pixel tensors out: the evaluation transform of the official Vim models (DeiT / timm's).
 
-``preprocess(path)``: RGB, shorter side resized to ``size / crop_pct`` (bicubic), centre crop ``size``, scaled to
-[0, 1], normalised with ImageNet's mean and std -> (1, 3, size, size) float32. ``to_display`` undoes the
+``preprocess(path)``: RGB, shorter side resized to ``int(size / crop_pct)`` (bicubic), centre crop ``size`` (as
+torchvision's Resize and CenterCrop compute them), scaled to [0, 1], normalised with ImageNet's mean and std ->
+(1, 3, size, size) float32. ``to_display`` undoes the
 normalisation for ``captum.attr.visualization.visualize_image_attr`` (an (H, W, 3) array in [0, 1]).
 """
 from __future__ import annotations
@@ -33,28 +34,29 @@ def load_image(path):
         raise ValueError(f"mamba_captum: {path!r} is not an image Pillow can read ({error}).") from None
 
 
-def preprocess(image, size: int = 224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """An image (a path or a PIL image) -> normalised pixels (1, 3, size, size), float32.
+def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """An image (a path or a PIL image) -> normalised pixels (1, 3, H, W), float32.
 
-    ``crop_pct=1`` resizes the whole image to ``size`` × ``size`` without cropping.
+    As torchvision's ``Resize(int(size / crop_pct), BICUBIC)`` then ``CenterCrop(size)`` (the official evaluation
+    transform): the shorter side to ``int(size / crop_pct)``, the longer one truncated in proportion, the centre
+    crop's offsets rounded. ``crop_pct=1`` resizes the whole image to ``size`` × ``size``; a ``(height, width)``
+    size (a model trained on non-square images) resizes to it without cropping.
     """
     from PIL import Image
 
     if not isinstance(image, Image.Image):
         image = load_image(image)
     image = image.convert("RGB")
-    if crop_pct >= 1:
-        image = image.resize((size, size), Image.BICUBIC)
+    height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    if height != width or crop_pct >= 1:
+        image = image.resize((width, height), Image.BICUBIC)
     else:
-        scale = int(size / crop_pct)
-        width, height = image.size
-        if width <= height:
-            new = (scale, max(scale, round(height * scale / width)))
-        else:
-            new = (max(scale, round(width * scale / height)), scale)
+        scale = int(height / crop_pct)
+        w, h = image.size
+        new = (scale, int(scale * h / w)) if w <= h else (int(scale * w / h), scale)
         image = image.resize(new, Image.BICUBIC)
-        left, top = (new[0] - size) // 2, (new[1] - size) // 2
-        image = image.crop((left, top, left + size, top + size))
+        top, left = int(round((new[1] - height) / 2.0)), int(round((new[0] - width) / 2.0))
+        image = image.crop((left, top, left + width, top + height))
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
     pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     return pixels[None].contiguous()
