@@ -3,6 +3,7 @@ and pixel attributions. Shapes of the tiny model (tests/tiny_models.VIM): 32×32
 grid, the CLS token in the middle (index 8), L = 17, d_inner = 24, N = 4, K = 4."""
 import argparse
 import contextlib
+import copy
 
 import numpy
 import pytest
@@ -525,3 +526,56 @@ def test_preprocess_follows_torchvisions_resize_and_centre_crop(tmp_path):
         + torch.tensor([0.485, 0.456, 0.406])[:, None, None]
     assert torch.allclose(got.permute(1, 2, 0), expected, atol=1e-6)
     assert preprocess(tmp_path / "wide.png", size=(32, 48)).shape == (1, 3, 32, 48)
+
+
+# -- property-based: random Vim configs (the property suite's profiles, tests/test_properties.py) -------------------
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_properties import PROFILE  # noqa: E402
+
+
+@st.composite
+def vims(draw):
+    """A random tiny Vim: odd widths, state sizes, conv widths, expansions, patch / stride / image sizes (square or
+    not, overlapping patches, leftover pixels), CLS anywhere or mean pooling, float32 or float64."""
+    patch = draw(st.integers(2, 5))
+    stride = draw(st.integers(max(1, patch - 2), patch))
+    height, width = (patch + stride * draw(st.integers(0, 3)) + draw(st.integers(0, stride - 1)) for _ in range(2))
+    options = dict(depth=draw(st.integers(1, 3)), embed_dim=draw(st.integers(2, 9)), d_state=draw(st.integers(1, 4)),
+                   d_conv=draw(st.integers(1, 5)), expand=draw(st.sampled_from([1, 2])), patch_size=patch,
+                   stride=stride, img_size=(height, width), num_classes=draw(st.integers(1, 4)),
+                   cls_position=draw(st.sampled_from(["middle", "first", "last", None])))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    return make_vim(seed=draw(st.integers(0, 2**16)), dtype=dtype, **options), dtype
+
+
+@PROFILE
+@given(data=st.data())
+def test_random_vims_satisfy_the_identities(data):
+    model, dtype = data.draw(vims(), label="model")
+    layout = model.token_layout()
+    batch = data.draw(st.integers(1, 3), label="batch")
+    x = torch.randn(batch, 3, *layout.img_size, generator=torch.Generator().manual_seed(data.draw(
+        st.integers(0, 2**16), label="pixels")), dtype=dtype)
+    tolerance = 3e-5 if dtype == torch.float32 else 1e-10
+    # 1. y = H x with the test's own hooks (conv biases and D skips zeroed)
+    bare = without_untokened_parts(copy.deepcopy(model))
+    with recorded_mixers(bare) as records, torch.no_grad():
+        bare(x)
+    maps = mc.implicit_attention(bare, x, reduce=None)
+    for layer, record in enumerate(records):
+        got = torch.einsum("bcij,bjc->bic", maps[layer].double(), record["x"].double())
+        assert relative_error(got, record["y"]) <= tolerance and record["y"].abs().max() > 0
+    # 2. reductions, 3. rows=, 4. batched = one by one
+    formulation = data.draw(st.sampled_from(["unified", "hidden"]), label="formulation")
+    full = mc.implicit_attention(model, x, formulation=formulation, reduce=None)
+    rows = data.draw(st.lists(st.integers(-layout.length, layout.length - 1), min_size=1, max_size=4), label="rows")
+    for reduce, reduction in (("mean", lambda t: t.mean(1)), ("abs_mean", lambda t: t.abs().mean(1))):
+        reduced = mc.implicit_attention(model, x, formulation=formulation, reduce=reduce)
+        some = mc.implicit_attention(model, x, formulation=formulation, reduce=reduce, rows=rows)
+        for layer in full:
+            assert relative_error(reduced[layer], reduction(full[layer])) <= tolerance
+            assert relative_error(some[layer], reduced[layer][:, [r % layout.length for r in rows]]) <= tolerance
+    alone = mc.implicit_attention(model, x[-1:], formulation=formulation, reduce=None)
+    for layer in full:
+        assert relative_error(full[layer][-1:], alone[layer]) <= tolerance
