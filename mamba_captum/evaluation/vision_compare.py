@@ -42,6 +42,7 @@ class ImageMethod:
     name: str
     group: str  # "ours", "official", "captum", "random"
     run: Callable
+    class_agnostic: bool = False  # the same map whatever the class: explained once
 
 
 def _ours(cls, **options):
@@ -106,8 +107,9 @@ def image_methods() -> list[ImageMethod]:
             ImageMethod(f"Attribution ({formulation})", "ours", _ours(MambaAttribution, formulation=formulation)),
             ImageMethod(f"Attribution ({formulation}, residual)", "ours",
                         _ours(MambaAttribution, formulation=formulation, gradient_rule="residual")),
-            ImageMethod(f"Rollout ({formulation})", "ours", _ours(MambaRollout, formulation=formulation)),
-            ImageMethod(f"Raw attention ({formulation})", "ours", _ours(MambaRawAttention, formulation=formulation)),
+            ImageMethod(f"Rollout ({formulation})", "ours", _ours(MambaRollout, formulation=formulation), True),
+            ImageMethod(f"Raw attention ({formulation})", "ours", _ours(MambaRawAttention, formulation=formulation),
+                        True),
         ]
     methods += [
         ImageMethod("UIA official (unified attribution)", "official",
@@ -115,19 +117,19 @@ def image_methods() -> list[ImageMethod]:
         ImageMethod("HMA official (hidden attribution)", "official",
                     _ours(MambaAttribution, formulation="hidden", recipe="official")),
         ImageMethod("HMA official (hidden rollout)", "official",
-                    _ours(MambaRollout, formulation="hidden", recipe="official")),
+                    _ours(MambaRollout, formulation="hidden", recipe="official"), True),
         ImageMethod("Saliency", "captum", _channels_summed(Saliency)),
         ImageMethod("InputXGradient", "captum", _channels_summed(InputXGradient)),
         ImageMethod("IntegratedGradients", "captum",
                     _channels_summed(IntegratedGradients, n_steps=50, internal_batch_size=256)),
         ImageMethod("LayerGradCam (last block)", "captum", _grad_cam),
         ImageMethod("FeatureAblation (patches)", "captum", _feature_ablation),
-        ImageMethod("random", "random", _random),
+        ImageMethod("random", "random", _random, True),
     ]
     return methods
 
 
-def _scores(model, task, relevance_predicted, relevance_label, predicted, clean_accuracy) -> dict:
+def _scores(model, task, relevance_predicted, relevance_label, clean_accuracy) -> dict:
     row = {}
     if task.masks is not None:
         row.update(metrics.segmentation_scores(relevance_predicted, task.masks))
@@ -158,12 +160,11 @@ def evaluate_images(tasks, examples: int = 128, weights_root=None, methods=None,
             start = time.perf_counter()
             relevance_predicted = method.run(model, task.images, predicted)
             seconds = time.perf_counter() - start
-            agnostic = method.name.startswith(("Rollout", "Raw attention", "HMA official (hidden rollout)", "random"))
-            relevance_label = relevance_predicted if agnostic or bool((predicted == task.labels).all()) else \
-                method.run(model, task.images, task.labels)
+            same = method.class_agnostic or bool((predicted == task.labels).all())
+            relevance_label = relevance_predicted if same else method.run(model, task.images, task.labels)
             row = dict(task=task_name, method=method.name, group=method.group, seconds=round(seconds, 2),
                        examples=len(task), clean_accuracy=clean_accuracy,
-                       **_scores(model, task, relevance_predicted, relevance_label, predicted, clean_accuracy))
+                       **_scores(model, task, relevance_predicted, relevance_label, clean_accuracy))
             results["rows"].append(row)
             log({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "curves"})
     return results
