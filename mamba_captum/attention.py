@@ -238,9 +238,7 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     check_keywords(forward_kwargs, underlying_forward(model), options, where)
     layout = vision_layout(model)
     if layout is not None:  # pixels (B, C, H, W) in, L = patches + CLS tokens
-        if attention_mask is not None:
-            raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
-        batch = check_pixels(model, input_ids, layout)
+        batch = check_pixels(model, input_ids, layout, attention_mask)
         check_forward_devices(forward_kwargs, input_ids.device, model)
         return batch, layout.length
     for name in ("logits_to_keep", "num_logits_to_keep", "return_dict"):

@@ -19,7 +19,7 @@ from ..checks import (check_finite, check_forward_devices, check_inputs, check_k
                       is_int, single_index, underlying_forward)
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
-from ..vision.layout import check_pixels, vision_layout
+from ..vision.layout import check_pixels, refuse_attention_mask, vision_layout
 
 
 @dataclass
@@ -466,8 +466,7 @@ class Runner:
                 f"mamba_captum: the inputs are {tuple(inputs.shape)}, the model's images "
                 f"{tuple(self.layout.img_size)}: the relevance is laid over the model's image, so a forward_func "
                 "that resizes or reshapes the pixels would misplace it. Pass images of the model's size.")
-        if attention_mask is not None:
-            raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
+        refuse_attention_mask(attention_mask)
         if position is not None:
             raise ValueError("mamba_captum: position= does not apply to an image classifier, whose head reads its "
                              f"{'CLS token' if not self.layout.pooled else 'mean over the tokens'}.")

@@ -92,14 +92,21 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout) -> int:
-    """Pixels (B, C, H, W) of the model's size, dtype and device, B ≥ 1. Returns B.
+def refuse_attention_mask(attention_mask) -> None:
+    """An image has no padding tokens: an attention mask is refused (it would be ignored by the model)."""
+    if attention_mask is not None:
+        raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
+
+
+def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout, attention_mask=None) -> int:
+    """Pixels (B, C, H, W) of the model's size, dtype and device, B ≥ 1, and no attention mask. Returns B.
 
     Raises:
         TypeError / ValueError naming the problem and the fix.
     """
     from ..checks import input_device
 
+    refuse_attention_mask(attention_mask)
     if not torch.is_tensor(pixel_values) or not pixel_values.is_floating_point():
         raise TypeError("mamba_captum: an image model takes pixel values, a floating-point tensor (B, C, H, W); "
                         f"got {type(pixel_values).__name__ if not torch.is_tensor(pixel_values) else pixel_values.dtype}"
