@@ -22,6 +22,9 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from .kernels.decay import decay_maps
+from .kernels.delta_rule import delta_rule_alpha
+from .kernels.gated_scores import gated_scores_alpha_rows
+from .kernels.heads import head_maps_blocked
 from .kernels.reductions import REDUCTIONS, reduce_channels  # noqa: F401 (REDUCTIONS re-exported)
 from .kernels.selective import selective_maps
 from .kernels.ssd import ssd_maps
@@ -400,3 +403,139 @@ class SumOperator:
     def maps(self, reduce="mean", rows=None):
         outs = [scale * op.maps(reduce, rows) for scale, op in self.parts]
         return torch.cat(outs, dim=1) if reduce is None else sum(outs)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One core per head: the delta rule, KDA, lightning attention, mLSTM, softmax with convolved values
+
+
+class _Core:
+    """A per-head core α_h (B, H, L, L) given by rows: ``rows(b, rows) -> (H, R, L)``."""
+
+    def to(self, dtype: torch.dtype):
+        changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
+                   if f.name in self.CAST and getattr(self, f.name) is not None}
+        return replace(self, **changes)
+
+
+@dataclass
+class DeltaRuleCore(_Core):
+    """The (gated) delta rule, :mod:`kernels.delta_rule`: q, k (B, L, H, K) as the kernel uses them, beta (B, L, H),
+    log_decay (B, L, H) or (B, L, H, K) (KDA). The whole α of one element is computed at once and kept for its
+    next rows."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    beta: torch.Tensor
+    log_decay: torch.Tensor
+    CAST = ("q", "k", "beta")  # the log decays stay float64: their cumsums feed exponentials
+    _cached: tuple = field(default=(None, None), init=False, repr=False, compare=False)
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        if self._cached[0] != b:
+            self._cached = (b, delta_rule_alpha(self.q[b:b + 1], self.k[b:b + 1], self.beta[b:b + 1],
+                                                self.log_decay[b:b + 1])[0])
+        return self._cached[1][:, rows]
+
+
+@dataclass
+class GatedScoresCore(_Core):
+    """Decayed linear attention, :mod:`kernels.gated_scores`: α_h[i, j] = (q_i · k_j) exp(G_i − G_j + log_col_j +
+    log_row_i). q, k (B, L, H, K); cumulative, log_col, log_row (B, L, H) float64 (log_col / log_row may be None)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    cumulative: torch.Tensor
+    log_col: torch.Tensor | None = None
+    log_row: torch.Tensor | None = None
+    CAST = ("q", "k")
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        pick = lambda t: None if t is None else t[b]  # noqa: E731
+        return gated_scores_alpha_rows(self.q[b], self.k[b], self.cumulative[b], pick(self.log_col),
+                                       pick(self.log_row), rows)
+
+
+@dataclass
+class DenseCore(_Core):
+    """A core given whole: softmax probabilities (B, H, L, L)."""
+
+    probs: torch.Tensor
+    CAST = ("probs",)
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.probs[b][:, rows]
+
+
+@dataclass
+class HeadOperator:
+    """One core per head, weighted per channel: H_c = diag(row_c) · α_h · diag(col_c) · M_c for channel c = (h, p)
+    (:mod:`kernels.heads`); the per-head cores α_h when every weight is None (C = H). ``core=None`` or ``s6=False``:
+    the core switched off (α = I, the banded "w/o core" ablation; LFM2's short conv is only this band)."""
+
+    core: _Core | None
+    mask: torch.Tensor | None  # (B, L)
+    heads: int
+    head_dim: int  # P, the value channels of one head
+    row_weight: torch.Tensor | None = None  # (B, L, H, P) norm scale · output gate
+    col_weight: torch.Tensor | None = None  # (B, L, H, P) activation gain · mask
+    conv_weight: torch.Tensor | None = None  # (H, P, K) bias-free causal conv on the values
+    s6: bool = True  # False: the core switched off
+    values: torch.Tensor | None = None  # (B, L, H, P) what H acts on
+    output: torch.Tensor | None = None  # (B, L, H, P) H x
+    readout: Callable | None = field(default=None, repr=False)  # output (float64) -> mixer output
+    out_dtype: torch.dtype = torch.float64
+
+    def to(self, dtype: torch.dtype):
+        """The same operator giving ``dtype`` maps, detached (log-space decays stay float64)."""
+        changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
+                   if torch.is_tensor(getattr(self, f.name)) and getattr(self, f.name).is_floating_point()}
+        core = None if self.core is None else self.core.to(dtype)
+        return replace(self, core=core, out_dtype=dtype, **changes)
+
+    @property
+    def _active_core(self):
+        return self.core if self.s6 else None
+
+    @property
+    def per_channel(self) -> bool:
+        return any(w is not None for w in (self.row_weight, self.col_weight, self.conv_weight)) \
+            or self._active_core is None
+
+    @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim if self.per_channel else self.heads
+
+    @property
+    def value_channels(self) -> int:
+        return self.heads * self.head_dim
+
+    def _shape(self):
+        some = next(t for t in (self.values, self.row_weight, self.col_weight, self.output) if t is not None)
+        return some.shape[0], some.shape[1], some.device
+
+    def _maps(self, row, col, conv, rows, reduce):
+        batch, length, device = self._shape()
+        core = self._active_core
+        if core is None:
+            ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
+            flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731
+            return banded_maps(flat(row), flat(col), None if conv is None else conv.flatten(0, 1).to(self.out_dtype),
+                               rows, reduce)
+        return head_maps_blocked(core.rows, batch=batch, length=length, heads=self.heads, row_weight=row,
+                                 col_weight=col, conv_weight=conv, rows=rows, reduce=reduce, dtype=self.out_dtype,
+                                 device=device)
+
+    def maps(self, reduce="mean", rows=None):
+        out = self._maps(self.row_weight, self.col_weight, self.conv_weight, rows, reduce)
+        return _mask_rows_cols(out, self.mask, rows)
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_c grad_c[i] · H_c[i, j] · values_c[j]: (B, L, L) or (B, R, L). grad: (B, L, H, P)."""
+        values = self.values.to(self.out_dtype)
+        ones = torch.ones_like(values)
+        row = grad.to(self.out_dtype) * (ones if self.row_weight is None else self.row_weight)
+        col = ones if self.col_weight is None else self.col_weight
+        out = post_conv_columns(lambda r, c: self._maps(r, c, None, rows, "sum"), row, col, values,
+                                self.conv_weight, values.shape[1])
+        return _mask_rows_cols(out, self.mask, rows)

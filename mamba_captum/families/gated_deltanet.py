@@ -1,0 +1,138 @@
+"""Gated delta-net: Qwen3NextGatedDeltaNet (qwen3_next) and its copies in qwen3_5, qwen3_5_moe, qwen4_exp and
+olmo_hybrid; the softmax layers of these hybrids are softmax layers (:mod:`.softmax`).
+
+Forward (transformers 5.23, ``Qwen3NextGatedDeltaNet.forward``): ``h·m`` (pads zeroed); q, k, v, z, b, a from the
+input projections; ``silu(conv(q ‖ k ‖ v))`` (depthwise, causal, no bias); q, k L2-normalised (eps 1e-6), q scaled
+by d_k^−½, key heads repeated for the value heads; ``β = σ(b)`` (×2 where ``allow_neg_eigval``),
+``g = −exp(A_log)·softplus(a + dt_bias)``; ``o = delta_rule(q, k, v, g, β)``; ``out = out_proj(ν·silu(z)·o)``
+with ν the gated RMS norm's scale (weight / rms over the head's value channels, before the gate).
+
+hidden:  α_h[t, s] = q_tᵀ (I − β_t k_t k_tᵀ) D_t ⋯ (I − β_{s+1} k_{s+1}k_{s+1}ᵀ) D_{s+1} β_s k_s   over v (after conv).
+unified: H_c = diag(ν_c · silu(z_c)) · α_h · diag(σ(pre_c)·m) · M_c   for value channel c of head h,  over v before
+         the conv (pre: the conv output, ν computed from the real activations).
+q and k come from the same tokens but, as B and C of the SSMs, enter α (detached), not the attribution.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.delta_rule import delta_rule_output_chunked
+from ..operators import DeltaRuleCore, HeadOperator
+from .mamba import _masked
+from .unhooked import linear_readout, run
+
+MIXER_CLASSES = ("Qwen3NextGatedDeltaNet",)
+
+
+def projections(mixer, h):
+    """q, k (B, L, H_k·K), v and z (B, L, H_v·P), b and a (B, L, H_v): the layer's input projections."""
+    query, key, value, z, b, a = mixer.fix_query_key_value_ordering(run(mixer.in_proj_qkvz, h),
+                                                                    run(mixer.in_proj_ba, h))
+    flat = lambda t: t.reshape(t.shape[0], t.shape[1], -1)  # noqa: E731
+    return flat(query), flat(key), flat(value), flat(z), b, a
+
+
+def gated_rms_scale(mixer_norm, output):
+    """ν (B, L, H, P): the gated RMS norm's per-token scale, weight / rms over each head's value channels."""
+    inv_rms = torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + mixer_norm.variance_epsilon)
+    return mixer_norm.weight.to(output.dtype) * inv_rms
+
+
+def causal_conv(x, conv):
+    """The depthwise causal conv's pre-activation (B, L, C), in the conv's dtype."""
+    kernel = conv.weight.shape[-1]
+    length = x.shape[1]
+    return F.conv1d(x.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias, padding=kernel - 1,
+                    groups=x.shape[-1])[..., :length].transpose(1, 2)
+
+
+def delta_rule_inputs(query, key, beta, log_decay, value_heads, key_dim, work_dtype):
+    """q, k as the kernel uses them: L2-normalised (eps 1e-6, FLA's convention), q scaled by K^−½, key heads repeated
+    for the value heads. query, key: (B, L, H_k·K) after the conv. Returns the :class:`DeltaRuleCore`."""
+    batch, length, _ = query.shape
+    q = query.to(work_dtype).reshape(batch, length, -1, key_dim)
+    k = key.to(work_dtype).reshape(batch, length, -1, key_dim)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * key_dim ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    repeat = value_heads // q.shape[2]
+    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    return DeltaRuleCore(q, k, beta.to(work_dtype), log_decay.to(torch.float64))
+
+
+def operator_from_pieces(call, formulation, components, work_dtype, *, core, value_pre, conv_pre, taps, gate,
+                         norm, out_proj, value_heads, head_dim):
+    """The hidden or unified operator of a delta-rule layer from its rebuilt pieces (shared by the delta-rule
+    families).
+
+    Args:
+        core: the :class:`DeltaRuleCore`. value_pre, conv_pre: (B, L, H_v·P) the values before the conv and the
+            conv's pre-activation (the values are silu(conv_pre)). taps: (H_v·P, K) the value channels' conv taps.
+        gate: (B, L, H_v·P) the output gate (silu(z) or σ(g)). norm: the gated RMS norm module.
+        out_proj: the output projection module.
+    Returns:
+        (operator, rebuilt_output).
+    """
+    hidden, mask = call.hidden_states, call.attention_mask
+    batch, length, _ = hidden.shape
+    per_head = lambda t: t.reshape(batch, length, value_heads, head_dim)  # noqa: E731
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    values = per_head(w(F.silu(conv_pre)))
+    output = delta_rule_output_chunked(core.q, core.k, core.beta, core.log_decay, values)  # (B, L, H, P)
+    gate = per_head(w(gate))
+    nu = gated_rms_scale(norm, output)
+    inner = (nu * gate * output).reshape(batch, length, -1)
+    rebuilt = run(out_proj, inner.to(hidden.dtype))
+    readout_proj = linear_readout(out_proj)
+    operator_mask = None if mask is None else w(mask)
+    common = dict(mask=operator_mask, heads=value_heads, head_dim=head_dim)
+    if formulation == "hidden":  # the operator's output is the delta rule's; the norm and gate come after it
+        gate64 = gate.double()
+
+        def readout(out):
+            return readout_proj((gated_rms_scale(norm, out) * gate64 * out).reshape(batch, length, -1))
+
+        return HeadOperator(core, **common, values=values, output=output, readout=readout), rebuilt
+    row = None
+    if "gate" in components:
+        row = gate
+    if "norm" in components:
+        row = nu if row is None else row * nu
+    col = per_head(torch.sigmoid(w(conv_pre))) if "act" in components else None
+    if operator_mask is not None:
+        mask_col = operator_mask[:, :, None, None].expand(batch, length, value_heads, head_dim)
+        col = mask_col if col is None else col * mask_col
+    conv = w(taps).reshape(value_heads, head_dim, -1) if "conv" in components else None
+    if row is None and col is None and conv is None:
+        col = torch.ones_like(values)  # keep the per-channel layout of the unified operator
+    operator = HeadOperator(core, **common, row_weight=row, col_weight=col, conv_weight=conv, s6="s6" in components,
+                            values=per_head(w(value_pre)), output=(nu * gate * output),
+                            readout=lambda out: readout_proj(out.reshape(batch, length, -1)))
+    return operator, rebuilt
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
+    """
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "the unified operator is defined for silu.")
+    h = _masked(call.hidden_states, call.attention_mask)
+    query, key, value, z, b, a = projections(mixer, h)
+    key_dim, value_dim = mixer.key_dim, mixer.value_dim
+    conv_pre = causal_conv(torch.cat([query, key, value], dim=-1), mixer.conv1d)
+    mixed = F.silu(conv_pre)
+    query, key = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim]
+    beta = torch.sigmoid(b.double())
+    if getattr(mixer, "allow_neg_eigval", False):
+        beta = beta * 2.0
+    log_decay = -torch.exp(mixer.A_log.double()) * F.softplus(a.double() + mixer.dt_bias.double())
+    core = delta_rule_inputs(query, key, beta, log_decay, mixer.num_v_heads, mixer.head_k_dim, work_dtype)
+    return operator_from_pieces(call, formulation, components, work_dtype, core=core, value_pre=value,
+                                conv_pre=conv_pre[..., 2 * key_dim:], taps=mixer.conv1d.weight[2 * key_dim:, 0, :],
+                                gate=F.silu(z.double()), norm=mixer.norm, out_proj=mixer.out_proj,
+                                value_heads=mixer.num_v_heads, head_dim=mixer.head_v_dim)
