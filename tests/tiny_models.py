@@ -58,16 +58,32 @@ RECURRENT_CONFIGS = {
         num_key_value_heads=2, head_dim=8, intermediate_size=64, attention_window_size=6, conv1d_width=4,
         block_types=["recurrent", "recurrent", "attention"], pad_token_id=0, bos_token_id=1, eos_token_id=2),
 }
+
+
+def _linear_hybrid(**kw):
+    return dict(intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], **kw)
+
+
+# Linear token mixers (delta rule, KDA, short convs, lightning attention, mLSTM, conv-V attention): kept apart
+# from CONFIGS, whose tests are written for the selective SSMs (tests/test_linear_families.py covers these).
+LINEAR_CONFIGS = {
+    "qwen3_next": lambda: tf.Qwen3NextConfig(**_common(num_hidden_layers=2, **_linear_hybrid(
+        decoder_sparse_step=1, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+        num_experts_per_tok=1))),
+}
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 
 def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "eager", **overrides):
     """A tiny random causal LM of ``family`` in eval mode. Overrides are set on the config."""
-    config = {**CONFIGS, **RECURRENT_CONFIGS}[family]()
+    config = {**CONFIGS, **RECURRENT_CONFIGS, **LINEAR_CONFIGS}[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = attn_implementation
+    config._experts_implementation = "eager"  # grouped_mm has no float64
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()

@@ -62,11 +62,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return best[1]
 
 
+# Class-name fragments of token mixers that are not softmax attention (transformers' naming): a module called so
+# without an adapter must be refused, not skipped.
+MIXER_NAME_FRAGMENTS = ("LinearAttention", "DeltaNet", "DeltaAttention", "ShortConv", "LightningAttention",
+                        "mLSTM", "xLSTMLayer", "Retention", "GatedLinear")
+
+
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
     if name in ADAPTERS:
         return False
-    if name in KNOWN_UNSUPPORTED:
+    if name in KNOWN_UNSUPPORTED or any(fragment in name for fragment in MIXER_NAME_FRAGMENTS):
         return True
     # Any other selective-SSM-like module (a learned A_log and a Mixer-ish name) is a variant we cannot vouch for.
     return hasattr(module, "A_log") and any(key in name for key in ("Mixer", "Mamba", "SSM", "Ssm"))
@@ -79,6 +85,7 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
         TypeError: a token mixer without an adapter is present (its class is named), or no mixer at all.
     """
     layers = decoder_layers(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     found: list[LocatedMixer] = []
     for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
@@ -89,8 +96,9 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                         f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
                         "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
                 raise TypeError(
-                    f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}, which is not "
-                    f"supported yet. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
+                    f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}"
+                    f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "
+                    f"report it. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
             adapter = ADAPTERS.get(type(module).__name__)
             if adapter is not None:
                 found.append(LocatedMixer(index, f"{index}.{name}" if name else str(index), module, adapter))

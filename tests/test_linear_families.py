@@ -1,0 +1,201 @@
+"""Linear token mixers (delta rule, KDA, short convs, lightning attention, mLSTM, conv-V attention): the operators
+reproduce each layer (y = H x against the test's own hooks and the HF kernels' own inputs), reductions and rows
+agree with the per-channel maps, batches equal single examples, padding equals no padding, the three methods run,
+and nothing is left on the model."""
+import importlib
+
+import pytest
+import torch
+from conftest import relative_error
+from test_engine import assert_untouched, model_state
+from tiny_models import LINEAR_CONFIGS, VOCAB, make_model
+
+import mamba_captum as mc
+from mamba_captum.kernels.delta_rule import delta_rule_alpha_naive
+
+TOL = 1e-5
+LINEAR = list(LINEAR_CONFIGS)
+
+
+def make(family, dtype=torch.float32, seed=0):
+    # sdpa: HF's eager softmax gives NaN rows at left pads in float64
+    return make_model(family, dtype=dtype, seed=seed, attn_implementation="sdpa")
+
+
+def padded_batch(length=12, pads=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :pads], mask[0, :pads] = 0, 0  # left padding in the first example
+    return ids, mask
+
+
+def linear_operators(model, ids, mask, formulation, **kwargs):
+    operators, _, _ = mc.build_operators(model, ids, mask, formulation=formulation, **kwargs)
+    return {key: op for key, op in operators.items() if isinstance(op, mc.operators.HeadOperator)}
+
+
+def mixers(model):
+    names = set(mc.SUPPORTED_MIXERS)
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+# How the test reads a layer's values (the unified operator's input) with its own hook: (submodule, function of
+# the mixer and that submodule's output -> (B, L, H·P)).
+def _gdn_values(mixer, projected):
+    ba = projected.new_zeros(*projected.shape[:-1], 2 * mixer.num_v_heads)
+    value = mixer.fix_query_key_value_ordering(projected, ba)[2]
+    return value.reshape(*value.shape[:2], -1)
+
+
+VALUE_TAPS = {
+    "qwen3_next": ("in_proj_qkvz", _gdn_values),
+}
+# The module-level kernel function each family's mixer calls, whose inputs and output the hidden identity reads.
+KERNEL_FUNCTIONS = {
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule"),
+}
+
+
+@pytest.mark.parametrize("family", LINEAR)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unified_identity_out_proj_input_equals_H_x(family, dtype):
+    model = make(family, dtype)
+    ids, mask = padded_batch()
+    records, handles = {}, []
+    tap, read_values = VALUE_TAPS[family]
+    for mixer in mixers(model):
+        handles.append(getattr(mixer, tap).register_forward_hook(
+            lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(x=read_values(mixer, out))))
+        handles.append(mixer.out_proj.register_forward_pre_hook(
+            lambda mod, args, mixer=mixer: records.setdefault(mixer, {}).update(out_in=args[0].detach())))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for h in handles:
+        h.remove()
+    operators = linear_operators(model, ids, mask, "unified")
+    assert len(operators) == len(mixers(model)) > 0
+    for mixer, (key, op) in zip(mixers(model), operators.items()):
+        H = op.maps(reduce=None).double()  # (B, C, L, L)
+        assert H.shape[1] == op.value_channels
+        x = records[mixer]["x"].double() * mask[:, :, None]  # the layer zeroes pad inputs
+        got = torch.einsum("bcis,bsc->bic", H, x)
+        expected = records[mixer]["out_in"].double()
+        assert relative_error(got, expected) <= (TOL if dtype == torch.float64 else 3e-5), (family, key)
+        assert expected.abs().max() > 1e-3  # not vacuous
+
+
+class KernelRecorder:
+    """Patch a family's module-level kernel function: record its arguments and output."""
+
+    def __init__(self, family):
+        module_name, self.name = KERNEL_FUNCTIONS[family]
+        self.module = importlib.import_module(module_name)
+        self.original = getattr(self.module, self.name)
+        self.calls = []
+
+    def __enter__(self):
+        def recording(*args, **kwargs):
+            out = self.original(*args, **kwargs)
+            self.calls.append((args, kwargs, out[0] if isinstance(out, tuple) else out))
+            return out
+
+        setattr(self.module, self.name, recording)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
+
+
+def delta_rule_reference(args, kwargs):
+    """α (B, H_v, L, L) by the plain recurrence (float64) from the arguments HF's delta-rule kernel received, and
+    the values (B, L, H_v, P)."""
+    query, key, value = args[:3]
+    g, beta = kwargs["g"], kwargs["beta"]
+    q, k = query.double(), key.double()
+    if kwargs.get("use_qk_l2norm_in_kernel"):
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    repeat = value.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
+    return delta_rule_alpha_naive(q, k, beta.double(), g.double()), value.double()
+
+
+@pytest.mark.parametrize("family", [f for f in LINEAR if f in KERNEL_FUNCTIONS])
+def test_hidden_identity_against_the_kernels_own_inputs(family):
+    model = make(family, torch.float64)
+    ids, mask = padded_batch()
+    with KernelRecorder(family) as recorder, torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    operators = linear_operators(model, ids, mask, "hidden")
+    assert len(recorder.calls) == len(operators) > 0
+    for (key, op), (args, kwargs, out) in zip(operators.items(), recorder.calls):
+        alpha = op.maps(reduce=None)  # (B, H_v, L, L): one map per value head
+        reference, values = delta_rule_reference(args, kwargs)
+        keep = (mask[:, None, :, None] * mask[:, None, None, :]).double()  # pads: zero rows and columns
+        assert alpha.shape == reference.shape
+        assert relative_error(alpha, reference * keep) <= 1e-10, (family, key)
+        # HF's kernel runs in float32 even for float64 inputs: its output agrees to float32 rounding
+        got = torch.einsum("bhts,bshp->bthp", alpha, values)
+        real = out.double() * mask[:, :, None, None]
+        assert relative_error(got, real) <= TOL, (family, key)
+        assert relative_error(op.output, real) <= TOL
+
+
+@pytest.mark.parametrize("family", LINEAR)
+@pytest.mark.parametrize("formulation", ["unified", "hidden"])
+def test_reductions_rows_and_batches(family, formulation):
+    model = make(family)
+    ids, mask = padded_batch()
+    full = mc.implicit_attention(model, ids, mask, formulation=formulation, reduce=None)
+    rows = [0, -1, 5, 5]
+    for reduce, fn in (("mean", lambda t: t.mean(1)), ("sum", lambda t: t.sum(1)),
+                       ("abs_mean", lambda t: t.abs().mean(1))):
+        reduced = mc.implicit_attention(model, ids, mask, formulation=formulation, reduce=reduce)
+        some = mc.implicit_attention(model, ids, mask, formulation=formulation, reduce=reduce, rows=rows)
+        for key in full:
+            expected = fn(full[key])
+            scale = max(1.0, expected.abs().max().item())
+            assert (reduced[key] - expected).abs().max() <= 1e-6 * scale, (key, reduce)
+            assert (some[key] - reduced[key][:, [0, 11, 5, 5]]).abs().max() <= 1e-6 * scale, (key, reduce)
+    # the batch equals its examples one by one (the padded one without its pads)
+    single = mc.implicit_attention(model, ids[1:], formulation=formulation)
+    unpadded = mc.implicit_attention(model, ids[:1, 3:], formulation=formulation)
+    batched = mc.implicit_attention(model, ids, mask, formulation=formulation)
+    for key in batched:
+        assert relative_error(batched[key][1], single[key][0]) <= 1e-5, key
+        assert relative_error(batched[key][0, 3:, 3:], unpadded[key][0]) <= 1e-4, key
+        assert batched[key][0, :3].abs().max() == 0 and batched[key][0, :, :3].abs().max() == 0
+
+
+@pytest.mark.parametrize("family", LINEAR)
+def test_hidden_gives_one_map_per_value_head(family):
+    model = make(family)
+    ids, mask = padded_batch()
+    for op in linear_operators(model, ids, mask, "hidden").values():
+        assert op.maps(reduce=None).shape == (2, op.heads, 12, 12) and op.channels == op.heads
+
+
+@pytest.mark.parametrize("family", LINEAR)
+def test_every_method_runs_and_leaves_the_model_untouched(family):
+    model = make(family)
+    before = model_state(model)
+    ids, mask = padded_batch()
+    for method in (mc.MambaRawAttention, mc.MambaRollout, mc.MambaAttribution):
+        relevance = method(model).attribute(ids, additional_forward_args=(mask,), start_layer=0)
+        assert relevance.shape == (2, 12) and torch.isfinite(relevance).all()
+        assert relevance[0, :3].abs().max() == 0  # pads get nothing
+    assert_untouched(model, before)
+
+
+def test_unsupported_mixer_error_names_class_and_model_type():
+    from mamba_captum.families import locate
+
+    class MysteryLinearAttention(torch.nn.Module):
+        pass
+
+    model = make("qwen3_next")
+    model.model.layers[0].linear_attn = MysteryLinearAttention()
+    with pytest.raises(TypeError, match=r"MysteryLinearAttention.*qwen3_next"):
+        locate(model)
