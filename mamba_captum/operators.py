@@ -38,14 +38,15 @@ def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torc
     return maps * (row_mask if maps.dim() == 3 else row_mask[:, None])
 
 
-def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
-    """Per-channel maps without the S6 part (the "w/o S6" ablation): H_c = diag(row_c · col_c) · M_c.
+def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", input_weight=None):
+    """Per-channel maps without the S6 part (the "w/o S6" ablation): H_c = diag(row_c · col_c) · M_c · diag(in_c).
 
     Only the conv band (K diagonals) is non-zero, so reduced maps are reduced band by band, without a per-channel
     (D, L, L) stack.
 
     Args:
-        row_weight, col_weight: (B, L, D).  conv_weight: (D, K) or None (identity).
+        row_weight, col_weight: (B, L, D).  conv_weight: (D, K) or None (identity).  input_weight: (B, L, D) or
+            None: a weight on the conv's input (LFM2's input gate).
     Returns:
         (B, L, L) reduced or (B, D, L, L) per channel; R rows with ``rows``.
     """
@@ -53,6 +54,11 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean"):
     batch, length, channels = diag.shape
     taps = conv_weight.flip(-1) if conv_weight is not None else diag.new_ones(channels, 1)  # taps[c, τ] = w[c, K-1-τ]
     bands = diag[:, :, :, None] * taps  # (B, L, D, K): H_c[i, i - τ]
+    if input_weight is not None:
+        shifted = torch.zeros_like(bands)
+        for tau in range(min(taps.shape[1], length)):
+            shifted[:, tau:, :, tau] = input_weight[:, :length - tau]
+        bands = bands * shifted
     if reduce is not None:
         bands = reduce_channels(bands.permute(0, 2, 1, 3), reduce)[:, None]  # (B, 1, L, K)
     else:
@@ -480,6 +486,7 @@ class HeadOperator:
     row_weight: torch.Tensor | None = None  # (B, L, H, P) norm scale · output gate
     col_weight: torch.Tensor | None = None  # (B, L, H, P) activation gain · mask
     conv_weight: torch.Tensor | None = None  # (H, P, K) bias-free causal conv on the values
+    input_weight: torch.Tensor | None = None  # (B, L, H, P) a weight before the conv (LFM2's input gate); band only
     s6: bool = True  # False: the core switched off
     values: torch.Tensor | None = None  # (B, L, H, P) what H acts on
     output: torch.Tensor | None = None  # (B, L, H, P) H x
@@ -499,7 +506,7 @@ class HeadOperator:
 
     @property
     def per_channel(self) -> bool:
-        return any(w is not None for w in (self.row_weight, self.col_weight, self.conv_weight)) \
+        return any(w is not None for w in (self.row_weight, self.col_weight, self.conv_weight, self.input_weight)) \
             or self._active_core is None
 
     @property
@@ -514,20 +521,22 @@ class HeadOperator:
         some = next(t for t in (self.values, self.row_weight, self.col_weight, self.output) if t is not None)
         return some.shape[0], some.shape[1], some.device
 
-    def _maps(self, row, col, conv, rows, reduce):
+    def _maps(self, row, col, conv, rows, reduce, inputs=None):
         batch, length, device = self._shape()
         core = self._active_core
         if core is None:
             ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
             flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731
             return banded_maps(flat(row), flat(col), None if conv is None else conv.flatten(0, 1).to(self.out_dtype),
-                               rows, reduce)
+                               rows, reduce, input_weight=None if inputs is None else flat(inputs))
+        if inputs is not None:
+            raise ValueError("mamba_captum: input_weight (a weight before the conv) is defined for the band only.")
         return head_maps_blocked(core.rows, batch=batch, length=length, heads=self.heads, row_weight=row,
                                  col_weight=col, conv_weight=conv, rows=rows, reduce=reduce, dtype=self.out_dtype,
                                  device=device)
 
     def maps(self, reduce="mean", rows=None):
-        out = self._maps(self.row_weight, self.col_weight, self.conv_weight, rows, reduce)
+        out = self._maps(self.row_weight, self.col_weight, self.conv_weight, rows, reduce, self.input_weight)
         return _mask_rows_cols(out, self.mask, rows)
 
     def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
@@ -536,6 +545,10 @@ class HeadOperator:
         ones = torch.ones_like(values)
         row = grad.to(self.out_dtype) * (ones if self.row_weight is None else self.row_weight)
         col = ones if self.col_weight is None else self.col_weight
+        if self._active_core is None:  # the band takes the values as its input weight: one call
+            inputs = values if self.input_weight is None else values * self.input_weight
+            out = self._maps(row, col, self.conv_weight, rows, "sum", inputs)
+            return _mask_rows_cols(out, self.mask, rows)
         out = post_conv_columns(lambda r, c: self._maps(r, c, None, rows, "sum"), row, col, values,
                                 self.conv_weight, values.shape[1])
         return _mask_rows_cols(out, self.mask, rows)

@@ -116,10 +116,16 @@ def test_half_precision_models_give_float32_maps(family, dtype):
 def test_unsupported_mixer_is_a_type_error_naming_it():
     import transformers as tf
 
+    class UnknownShortConv(torch.nn.Module):  # a token mixer of a future transformers
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
     config = tf.Lfm2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=64, layer_types=["conv", "full_attention"])
     model = tf.Lfm2ForCausalLM(config).eval()
-    with pytest.raises(TypeError, match=r"Lfm2ShortConv.*Supported mixers: .*MambaMixer.*RwkvSelfAttention"):
+    model.model.layers[0].conv = UnknownShortConv()
+    with pytest.raises(TypeError, match=r"UnknownShortConv \(model type 'lfm2'\).*Supported mixers: .*MambaMixer.*"
+                                        r"RwkvSelfAttention"):
         mc.implicit_attention(model, torch.randint(0, VOCAB, (1, 4)))
     with pytest.raises(TypeError, match="no decoder-layer list"):
         mc.implicit_attention(torch.nn.Linear(3, 3), torch.zeros(1, 3))

@@ -19,7 +19,13 @@ LINEAR = list(LINEAR_CONFIGS)
 
 def make(family, dtype=torch.float32, seed=0):
     # sdpa: HF's eager softmax gives NaN rows at left pads in float64
-    return make_model(family, dtype=dtype, seed=seed, attn_implementation="sdpa")
+    model = make_model(family, dtype=dtype, seed=seed, attn_implementation="sdpa")
+    with torch.no_grad():  # random-init projections give tiny gates: scale them so every factor matters
+        for mixer in mixers(model):
+            for name in ("in_proj",):
+                if hasattr(mixer, name):
+                    getattr(mixer, name).weight.mul_(8.0)
+    return model
 
 
 def padded_batch(length=12, pads=3, seed=0):
@@ -50,7 +56,9 @@ def _gdn_values(mixer, projected):
 
 VALUE_TAPS = {
     "qwen3_next": ("in_proj_qkvz", _gdn_values),
+    "lfm2": ("in_proj", lambda mixer, out: out.chunk(3, dim=-1)[2]),
 }
+VALUE_TAPS["lfm2_moe"] = VALUE_TAPS["lfm3"] = VALUE_TAPS["lfm2"]
 # The module-level kernel function each family's mixer calls, whose inputs and output the hidden identity reads.
 KERNEL_FUNCTIONS = {
     "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule"),

@@ -66,12 +66,23 @@ def _linear_hybrid(**kw):
                 linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], **kw)
 
 
+def _short_conv(**kw):
+    kw.setdefault("layer_types", ["conv", "full_attention", "conv"])
+    return dict(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                block_auto_adjust_ff_dim=False, **kw)
+
+
 # Linear token mixers (delta rule, KDA, short convs, lightning attention, mLSTM, conv-V attention): kept apart
 # from CONFIGS, whose tests are written for the selective SSMs (tests/test_linear_families.py covers these).
 LINEAR_CONFIGS = {
     "qwen3_next": lambda: tf.Qwen3NextConfig(**_common(num_hidden_layers=2, **_linear_hybrid(
         decoder_sparse_step=1, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
         num_experts_per_tok=1))),
+    "lfm2": lambda: tf.Lfm2Config(**_common(num_hidden_layers=3, **_short_conv())),
+    "lfm2_moe": lambda: tf.Lfm2MoeConfig(**_common(num_hidden_layers=3, moe_intermediate_size=16, num_dense_layers=1,
+                                                    num_experts=2, num_experts_per_tok=1, **_short_conv())),
+    "lfm3": lambda: tf.Lfm3Config(**_common(num_hidden_layers=3, **_short_conv(
+        head_dim=8, sliding_window=4, layer_types=["conv", "sliding_attention", "conv"]))),
 }
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")

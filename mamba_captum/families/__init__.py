@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import gated_deltanet, mamba, mamba2, recurrent_gemma, rwkv, vim
+from . import gated_deltanet, mamba, mamba2, recurrent_gemma, rwkv, short_conv, vim
 
-ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet)
+ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
+                                                 short_conv)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
@@ -23,7 +24,6 @@ CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
 KNOWN_UNSUPPORTED = (
-    "Lfm2ShortConv",
     "KimiLinearDeltaAttention",
 )
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
