@@ -418,6 +418,12 @@ class SumOperator:
 class _Core:
     """A per-head core α_h (B, H, L, L) given by rows: ``rows(b, rows) -> (H, R, L)``."""
 
+    def full(self) -> torch.Tensor:
+        """The whole core, (B, H, L, L)."""
+        batch, length = self.q.shape[:2] if hasattr(self, "q") else (self.probs.shape[0], self.probs.shape[-1])
+        rows = torch.arange(length, device=(self.q if hasattr(self, "q") else self.probs).device)
+        return torch.stack([self.rows(b, rows) for b in range(batch)])
+
     def to(self, dtype: torch.dtype):
         changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
                    if f.name in self.CAST and getattr(self, f.name) is not None}

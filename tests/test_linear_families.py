@@ -23,7 +23,7 @@ def make(family, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # random-init projections give tiny gates: scale them so every factor matters
         for mixer in mixers(model):
-            for name in ("in_proj",):
+            for name in ("in_proj", "qkv_proj"):
                 if hasattr(mixer, name):
                     getattr(mixer, name).weight.mul_(8.0)
             for name, parameter in mixer.named_parameters():  # KDA leaves these uninitialised (torch.empty)
@@ -68,6 +68,8 @@ VALUE_TAPS = {
     "qwen3_next": ("in_proj_qkvz", _gdn_values),
     "qwen3_5": ("in_proj_qkv", lambda mixer, out: out[..., 2 * mixer.key_dim:]),
     "olmo_hybrid": ("v_proj", lambda mixer, out: out),
+    "minimax": ("qkv_proj", lambda mixer, out: out.reshape(*out.shape[:2], mixer.num_attention_heads, 3, -1)[:, :, :, 2]
+                .flatten(2)),
     "lfm2": ("in_proj", lambda mixer, out: out.chunk(3, dim=-1)[2]),
 }
 VALUE_TAPS["qwen3_5_moe"] = VALUE_TAPS["qwen4_exp"] = VALUE_TAPS["qwen3_5"]

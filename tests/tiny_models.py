@@ -115,6 +115,10 @@ LINEAR_CONFIGS = {
         v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=1, index_topk=8,
         index_head_dim=8, index_n_heads=2, index_kpool=4, linear_lower_bound=-5.0, hc_mult=2,
         layer_types=["linear_attention", "indexed_attention"], indexer_types=["full", "full"]))),
+    "minimax": lambda: tf.MiniMaxConfig(**_common(
+        num_hidden_layers=3, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=2, num_experts_per_tok=1, block_size=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
     "lfm2": lambda: tf.Lfm2Config(**_common(num_hidden_layers=3, **_short_conv())),
     "lfm2_moe": lambda: tf.Lfm2MoeConfig(**_common(num_hidden_layers=3, moe_intermediate_size=16, num_dense_layers=1,
                                                     num_experts=2, num_experts_per_tok=1, **_short_conv())),
