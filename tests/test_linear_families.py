@@ -19,13 +19,16 @@ LINEAR = list(LINEAR_CONFIGS)
 
 def make(family, dtype=torch.float32, seed=0):
     # sdpa: HF's eager softmax gives NaN rows at left pads in float64
-    model = make_model(family, dtype=dtype, seed=seed, attn_implementation="sdpa")
+    model = make_model(family, dtype=dtype, seed=seed, attn_implementation="eager" if family == "xlstm" else "sdpa")
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # random-init projections give tiny gates: scale them so every factor matters
         for mixer in mixers(model):
             for name in ("in_proj", "qkv_proj"):
                 if hasattr(mixer, name):
                     getattr(mixer, name).weight.mul_(8.0)
+            for name in ("igate_preact", "fgate_preact"):  # xLSTM starts with constant gates (zero weights)
+                if hasattr(mixer, name):
+                    getattr(mixer, name).weight.normal_(0.0, 0.5, generator=generator)
             for name, parameter in mixer.named_parameters():  # KDA leaves these uninitialised (torch.empty)
                 if name.endswith("A_log"):
                     parameter.copy_(torch.empty(parameter.shape).uniform_(0.0, 2.5, generator=generator))
@@ -38,11 +41,15 @@ def out_proj(mixer):
     return mixer.out_proj if hasattr(mixer, "out_proj") else mixer.o_proj
 
 
-def padded_batch(length=12, pads=3, seed=0):
+RIGHT_PADDED = {"xlstm"}  # mixers that ignore attention_mask: only right padding keeps the real tokens' result
+
+
+def padded_batch(length=12, pads=3, seed=0, family=None):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (2, length), generator=g)
     mask = torch.ones_like(ids)
-    ids[0, :pads], mask[0, :pads] = 0, 0  # left padding in the first example
+    pad = slice(length - pads, None) if family in RIGHT_PADDED else slice(0, pads)
+    ids[0, pad], mask[0, pad] = 0, 0  # padding in the first example (left, unless the family needs right)
     return ids, mask
 
 
@@ -68,6 +75,8 @@ VALUE_TAPS = {
     "qwen3_next": ("in_proj_qkvz", _gdn_values),
     "qwen3_5": ("in_proj_qkv", lambda mixer, out: out[..., 2 * mixer.key_dim:]),
     "olmo_hybrid": ("v_proj", lambda mixer, out: out),
+    "xlstm": ("v", lambda mixer, out: (lambda v: v - v.mean(-1, keepdim=True))(
+        out.reshape(*out.shape[:2], mixer.config.num_heads, -1)).flatten(2)),  # the head-centred values
     "minimax": ("qkv_proj", lambda mixer, out: out.reshape(*out.shape[:2], mixer.num_attention_heads, 3, -1)[:, :, :, 2]
                 .flatten(2)),
     "lfm2": ("in_proj", lambda mixer, out: out.chunk(3, dim=-1)[2]),
@@ -88,7 +97,7 @@ KERNEL_FUNCTIONS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_unified_identity_out_proj_input_equals_H_x(family, dtype):
     model = make(family, dtype)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(family=family)
     records, handles = {}, []
     tap, read_values = VALUE_TAPS[family]
     for mixer in mixers(model):
@@ -107,7 +116,7 @@ def test_unified_identity_out_proj_input_equals_H_x(family, dtype):
         assert H.shape[1] == op.value_channels
         x = records[mixer]["x"].double() * mask[:, :, None]  # the layer zeroes pad inputs
         got = torch.einsum("bcis,bsc->bic", H, x)
-        expected = records[mixer]["out_in"].double()
+        expected = records[mixer]["out_in"].double() * mask[:, :, None]  # pad rows: the maps zero them
         assert relative_error(got, expected) <= (TOL if dtype == torch.float64 else 3e-5), (family, key)
         assert expected.abs().max() > 1e-3  # not vacuous
 
@@ -152,7 +161,7 @@ def delta_rule_reference(args, kwargs):
 @pytest.mark.parametrize("family", [f for f in LINEAR if f in KERNEL_FUNCTIONS])
 def test_hidden_identity_against_the_kernels_own_inputs(family):
     model = make(family, torch.float64)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(family=family)
     with KernelRecorder(family) as recorder, torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=False)
     operators = linear_operators(model, ids, mask, "hidden")
@@ -175,7 +184,7 @@ def test_hidden_identity_against_the_kernels_own_inputs(family):
 @pytest.mark.parametrize("formulation", ["unified", "hidden"])
 def test_reductions_rows_and_batches(family, formulation):
     model = make(family)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(family=family)
     full = mc.implicit_attention(model, ids, mask, formulation=formulation, reduce=None)
     rows = [0, -1, 5, 5]
     for reduce, fn in (("mean", lambda t: t.mean(1)), ("sum", lambda t: t.sum(1)),
@@ -189,18 +198,19 @@ def test_reductions_rows_and_batches(family, formulation):
             assert (some[key] - reduced[key][:, [0, 11, 5, 5]]).abs().max() <= 1e-6 * scale, (key, reduce)
     # the batch equals its examples one by one (the padded one without its pads)
     single = mc.implicit_attention(model, ids[1:], formulation=formulation)
-    unpadded = mc.implicit_attention(model, ids[:1, 3:], formulation=formulation)
+    real, pads = (slice(0, 9), slice(9, None)) if family in RIGHT_PADDED else (slice(3, None), slice(0, 3))
+    unpadded = mc.implicit_attention(model, ids[:1, real], formulation=formulation)
     batched = mc.implicit_attention(model, ids, mask, formulation=formulation)
     for key in batched:
         assert relative_error(batched[key][1], single[key][0]) <= 1e-5, key
-        assert relative_error(batched[key][0, 3:, 3:], unpadded[key][0]) <= 1e-4, key
-        assert batched[key][0, :3].abs().max() == 0 and batched[key][0, :, :3].abs().max() == 0
+        assert relative_error(batched[key][0, real, real], unpadded[key][0]) <= 1e-4, key
+        assert batched[key][0, pads].abs().max() == 0 and batched[key][0, :, pads].abs().max() == 0
 
 
 @pytest.mark.parametrize("family", LINEAR)
 def test_hidden_gives_one_map_per_value_head(family):
     model = make(family)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(family=family)
     for op in linear_operators(model, ids, mask, "hidden").values():
         assert op.maps(reduce=None).shape == (2, op.heads, 12, 12) and op.channels == op.heads
 
@@ -209,7 +219,7 @@ def test_hidden_gives_one_map_per_value_head(family):
 def test_every_method_runs_and_leaves_the_model_untouched(family):
     model = make(family)
     before = model_state(model)
-    ids, mask = padded_batch()
+    ids, mask = padded_batch(family=family)
     forward_func = None
     if not hasattr(model, "lm_head"):  # a base model (glm5_next's text model): a head of our own
         head = torch.nn.Linear(model.config.hidden_size, 4)
@@ -217,10 +227,11 @@ def test_every_method_runs_and_leaves_the_model_untouched(family):
             model(ids, attention_mask=attention_mask).last_hidden_state[:, -1])
     for method in (mc.MambaRawAttention, mc.MambaRollout, mc.MambaAttribution):
         explainer = method(model) if forward_func is None else method(model, forward_func=forward_func)
-        relevance = explainer.attribute(ids, additional_forward_args=(mask,), start_layer=0,
+        relevance = explainer.attribute(ids, attention_mask=mask, start_layer=0,
                                         **({} if forward_func is None else {"target": 1}))
         assert relevance.shape == (2, 12) and torch.isfinite(relevance).all()
-        assert relevance[0, :3].abs().max() == 0  # pads get nothing
+        pads = slice(9, None) if family in RIGHT_PADDED else slice(0, 3)
+        assert relevance[0, pads].abs().max() == 0  # pads get nothing
     assert_untouched(model, before)
 
 

@@ -119,6 +119,10 @@ LINEAR_CONFIGS = {
         num_hidden_layers=3, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
         num_local_experts=2, num_experts_per_tok=1, block_size=4,
         layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # use_cache=False: xLSTM's cache rounds its head sizes up to 64 and fails for a 32-wide model
+    "xlstm": lambda: tf.xLSTMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2, chunk_size=8,
+                                    use_cache=False, norm_reduction_force_float32=False, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2),
     "lfm2": lambda: tf.Lfm2Config(**_common(num_hidden_layers=3, **_short_conv())),
     "lfm2_moe": lambda: tf.Lfm2MoeConfig(**_common(num_hidden_layers=3, moe_intermediate_size=16, num_dense_layers=1,
                                                     num_experts=2, num_experts_per_tok=1, **_short_conv())),
