@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import gated_deltanet, mamba, mamba2, recurrent_gemma, rwkv, short_conv, vim
+from . import gated_deltanet, mamba, mamba2, recurrent_gemma, rwkv, short_conv, vim, zamba
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 short_conv)
+                                                 short_conv, zamba)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
