@@ -129,13 +129,21 @@ LINEAR_CONFIGS = {
     "lfm3": lambda: tf.Lfm3Config(**_common(num_hidden_layers=3, **_short_conv(
         head_dim=8, sliding_window=4, layer_types=["conv", "sliding_attention", "conv"]))),
 }
+# Zamba (v1): Mamba-1 heads with their own B, C, Δ (tests/test_zamba.py); kept apart from CONFIGS, whose tests are
+# written for one B, C per layer. Two hybrid layers at least: HF's weight tying refuses exactly one.
+ZAMBA_CONFIGS = {
+    "zamba": lambda: tf.ZambaConfig(**_common(num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+                                              num_key_value_heads=4, n_mamba_heads=2, mamba_d_state=8,
+                                              mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                                              layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
+}
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")
 
 
 def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "eager", **overrides):
     """A tiny random causal LM of ``family`` in eval mode. Overrides are set on the config."""
-    config = {**CONFIGS, **RECURRENT_CONFIGS, **LINEAR_CONFIGS}[family]()
+    config = {**CONFIGS, **RECURRENT_CONFIGS, **LINEAR_CONFIGS, **ZAMBA_CONFIGS}[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = attn_implementation

@@ -13,17 +13,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv, vim
+from . import gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv, vim, zamba
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 kda, lightning, mlstm, short_conv)
+                                                 kda, lightning, mlstm, short_conv, zamba)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
-KNOWN_UNSUPPORTED = ("ZambaMambaMixer",)
+KNOWN_UNSUPPORTED: tuple[str, ...] = ()
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 
