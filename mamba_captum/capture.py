@@ -247,6 +247,8 @@ class LayerCapture(contextlib.AbstractContextManager):
         mask = kwargs.get("attention_mask")
         if mask is None and len(args) > 2:
             mask = args[2]
+        if isinstance(mask, dict):  # ZAYA's attention: {"causal": 4-D mask, "conv": 2-D padding mask}
+            mask = mask.get("conv")
         if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
             mask = None  # the mixers only ever use a 2-D padding mask
         options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
