@@ -275,3 +275,34 @@ def test_inkling_sconvs_outside_attention_are_never_skipped(name):
     with pytest.raises(TypeError, match=rf"layer 0 \({after}\) uses the token mixer {cls} \(model type "
                                         rf"'{model_type}'\)"):
         mc.implicit_attention(model, padded_batch()[0])
+
+
+@pytest.mark.parametrize("name, dtype, implementation", [("inkling_text", torch.float64, "sdpa"),
+                                                         ("inkling_text", torch.float32, "eager"),
+                                                         ("inkling2_text", torch.float64, "eager")])
+def test_probabilities_take_position_bias_and_sinks(name, dtype, implementation):
+    """The attention interface's data-dependent relative logits (position_bias) and sink logits (sinks) are
+    recorded and enter the rebuilt probabilities: P v reproduces the interface's output (on real rows). inkling2's
+    eager softmax with sinks runs in float32 even in a float64 model, hence its bound."""
+    from mamba_captum.capture import LayerCapture
+    from mamba_captum.families import softmax
+
+    model = {"inkling_text": inkling_text, "inkling2_text": inkling2_text}[name]().to(dtype)
+    if name == "inkling2_text":
+        for layer in model.model.layers:  # its router multiplies float32 hidden states by the gate's weight
+            layer.mlp.gate.float()
+    model.config._attn_implementation = implementation
+    ids, mask = padded_batch()
+    with torch.no_grad(), LayerCapture(model.model.layers, []) as capture:
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    calls = capture.trace.attention_calls
+    assert len(calls) == len(model.model.layers)
+    keep = mask[:, :, None, None].double()
+    bound = 1e-12 if (dtype == torch.float64 and name == "inkling_text") else 1e-6
+    for call in calls:
+        assert "position_bias" in call.options and ("sinks" in call.options) == (name == "inkling2_text")
+        _, rebuilt, real = softmax.rebuild(call, torch.float64, mask.double())
+        assert relative_error(rebuilt * keep, real * keep) <= bound
+        call.options.pop("position_bias")  # without the relative logits the probabilities are another function
+        _, rebuilt, real = softmax.rebuild(call, torch.float64, mask.double())
+        assert relative_error(rebuilt * keep, real * keep) > 1e-3
