@@ -13,17 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv, vim, zamba
+from . import (conv_attention, gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv,
+               vim, zamba)
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 kda, lightning, mlstm, short_conv, zamba)
+                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
-KNOWN_UNSUPPORTED: tuple[str, ...] = ()
+KNOWN_UNSUPPORTED = tuple(conv_attention.REFUSED)
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 
@@ -97,6 +98,12 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                         f"mamba_captum: layer {index} is the official Vim code's Mamba mixer (mamba-ssm fork, "
                         f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
                         "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
+                why = conv_attention.REFUSED.get(type(module).__name__)
+                if why is not None:  # known, and known not to fit any operator: say why
+                    raise TypeError(
+                        f"mamba_captum: layer {index} ({name}) uses the token mixer {type(module).__name__}"
+                        f"{f' (model type {model_type!r})' if model_type else ''}, which cannot be explained "
+                        f"exactly: {why}.")
                 raise TypeError(
                     f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}"
                     f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "
