@@ -522,6 +522,15 @@ class DenseCore(_Core):
         return self.probs[b][:, rows]
 
 
+def gate_norm_rows(components, gate, norm_scale):
+    """The unified row weight of an output gate and a norm scale (each a per-token, per-channel factor), as
+    ``components`` keeps them: gate · scale, either alone, or None when both are switched off."""
+    kept = [w for name, w in (("gate", gate), ("norm", norm_scale)) if name in components and w is not None]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept[0] * kept[1]
+
+
 @dataclass
 class HeadOperator:
     """One core per head, weighted per channel: H_c = diag(row_c) · α_h · diag(col_c) · M_c for channel c = (h, p)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.delta_rule import delta_rule_output_chunked
-from ..operators import DeltaRuleCore, HeadOperator
+from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows
 from .mamba import _masked
 from .unhooked import linear_readout, run
 
@@ -116,11 +116,7 @@ def operator_from_pieces(call, formulation, components, work_dtype, *, core, val
             return readout_proj((gated_rms_scale(norm, out) * gate64 * out).reshape(batch, length, -1))
 
         return HeadOperator(core, **common, values=values, output=output, readout=readout), rebuilt
-    row = None
-    if "gate" in components:
-        row = gate
-    if "norm" in components:
-        row = nu if row is None else row * nu
+    row = gate_norm_rows(components, gate, nu)
     col = per_head(torch.sigmoid(w(conv_pre))) if "act" in components else None
     if operator_mask is not None:
         mask_col = operator_mask[:, :, None, None].expand(batch, length, value_heads, head_dim)

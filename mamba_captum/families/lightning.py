@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..operators import GatedScoresCore, HeadOperator
+from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("MiniMaxLightningAttention",)
@@ -61,11 +61,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
             return out_proj(gate64.reshape(batch, length, -1) * _rms_scale(mixer.norm, flat_out) * flat_out)
 
         return HeadOperator(core, **common, values=v, output=output, readout=readout), rebuilt
-    row = None
-    if "gate" in components:
-        row = gate
-    if "norm" in components:
-        row = nu if row is None else row * nu
+    row = gate_norm_rows(components, gate, nu)
     col = torch.sigmoid(pre[..., 2 * head_dim:]) * token_mask if "act" in components else token_mask.expand_as(v)
     operator = HeadOperator(core, **common, row_weight=row, col_weight=col, s6="s6" in components,
                             values=pre[..., 2 * head_dim:], output=gate * nu * output,

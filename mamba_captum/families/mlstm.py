@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..operators import GatedScoresCore, HeadOperator
+from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("xLSTMLayer", "mLSTMLayer")
@@ -97,11 +97,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             readout=lambda out: out_proj((gate * normed(out) + constant).reshape(batch, length, -1))
                             ), rebuilt
     rstd = torch.rsqrt(output.var(-1, keepdim=True, unbiased=False) + norm.eps)  # fixed at its real value
-    row = None
-    if "gate" in components:
-        row = gate
-    if "norm" in components:
-        row = rstd * weight if row is None else row * rstd * weight
+    row = gate_norm_rows(components, gate, rstd * weight)
     centred = v - v.mean(-1, keepdim=True)
     operator = HeadOperator(core, **common, row_weight=None if row is None else w(row),
                             col_weight=None if row is not None else torch.ones_like(w(v)), s6="s6" in components,
