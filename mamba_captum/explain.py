@@ -195,8 +195,14 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
         raise UsageError(f"the config.json in {str(path)!r} cannot be read: {_first_line(error)}") from None
     _check_weight_files(path)
     try:
-        auto = tf.AutoModelForSequenceClassification if any(
-            a.endswith("ForSequenceClassification") for a in (config.architectures or [])) else tf.AutoModelForCausalLM
+        architectures = config.architectures or []
+        if any(a.endswith("ForSequenceClassification") for a in architectures):
+            auto = tf.AutoModelForSequenceClassification
+        elif any(a.endswith("ForConditionalGeneration") for a in architectures):
+            # a vision-language checkpoint (Qwen3.5, GLM-5-Next, LFM2-VL, ...): text in, its language model explained
+            auto = tf.AutoModelForImageTextToText
+        else:
+            auto = tf.AutoModelForCausalLM
         # mismatched shapes are reported below, by name, rather than raised with the details only in HF's log
         model, loading = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
                                               output_loading_info=True, ignore_mismatched_sizes=True)
@@ -271,10 +277,16 @@ def _candidates(model, tokenizer, words):
         return list(range(model.config.num_labels))
     if tokenizer is None:
         raise UsageError(f"the label words {words} need the model's tokenizer; pass tokenizer=.")
-    ids = [_token_id(tokenizer, word, model.config.vocab_size, what="label word") for word in words]
+    ids = [_token_id(tokenizer, word, _vocab_size(model), what="label word") for word in words]
     if len(set(ids)) != len(ids):
         raise UsageError(f"the label words {words} map to repeated token ids {ids}; give distinct tokens.")
     return ids
+
+
+def _vocab_size(model) -> int:
+    """The model's vocabulary size; a vision-language model keeps it in its text config."""
+    config = model.config
+    return config.get_text_config().vocab_size if hasattr(config, "get_text_config") else config.vocab_size
 
 
 def _token_id(tokenizer, word: str, vocab_size: int, what: str = "target") -> int:
@@ -316,15 +328,15 @@ def resolve_target(model, tokenizer, target, words, candidates=None) -> int | No
             raise UsageError(f"target {target!r} is not a label of this model; its labels are {names}.")
         if words is not None:
             raise UsageError(f"target {target!r} is not one of the model's label words {words}.")
-        return _token_id(tokenizer, target, model.config.vocab_size)
+        return _token_id(tokenizer, target, _vocab_size(model))
     index = int(target)
     if is_classifier(model):
         if not 0 <= index < model.config.num_labels:
             raise UsageError(f"target class {index} is outside the model's {model.config.num_labels} labels "
                              f"({names}).")
         return index
-    if not 0 <= index < model.config.vocab_size:
-        raise UsageError(f"target id {index} is outside the vocabulary (0..{model.config.vocab_size - 1}).")
+    if not 0 <= index < _vocab_size(model):
+        raise UsageError(f"target id {index} is outside the vocabulary (0..{_vocab_size(model) - 1}).")
     if candidates is not None and index not in candidates:
         raise UsageError(f"target id {index} is not one of the model's label words {words} (ids {candidates}).")
     return index
@@ -346,7 +358,7 @@ def encode_text(model, tokenizer, text: str) -> torch.Tensor:
     try:
         rows = model.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError):  # no embedding table to read: the config's size
-        rows = model.config.vocab_size
+        rows = _vocab_size(model)
     if int(input_ids.max()) >= rows:  # the embedding lookup would fail with an index error deep in the model
         top = int(input_ids.max())
         raise UsageError(f"the text has token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}), outside the "

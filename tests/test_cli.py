@@ -586,3 +586,45 @@ def test_evaluate_refuses_unknown_models_and_writes_nothing(args, message, tmp_p
     code, out, err = run_main(capsys, "evaluate", *args, "--doc", str(doc), "--assets", str(assets))
     assert code == 2 and message in one_error_line(err)
     assert not doc.exists() and not assets.exists()  # the committed report is never replaced by an empty one
+
+
+# -- checkpoints of the linear token mixers: one model type per adapter, and two vision-language checkpoints -----
+def _linear_checkpoint(path, model_type, vocab_size):
+    from test_conv_attention import zaya
+    from test_linear_families import vision_language
+    from tiny_models import make_model
+
+    if model_type == "zaya":
+        model = zaya(torch.float32, vocab_size=vocab_size)
+    elif model_type in VISION_LANGUAGE_TEXT:  # *ForConditionalGeneration: AutoModelForImageTextToText
+        model = vision_language(model_type, VISION_LANGUAGE_TEXT[model_type]).float()
+        model.resize_token_embeddings(vocab_size)
+    else:
+        model = make_model(model_type, vocab_size=vocab_size)
+    model.save_pretrained(path)
+
+
+# vision-language model type -> its text model in tiny_models (qwen3_5 and qwen4_exp checkpoints are left out:
+# transformers loads their own tokenizer class whatever tokenizer_config.json says, so the demo tokenizer cannot be used)
+VISION_LANGUAGE_TEXT = {"glm5_next": "glm5_next", "lfm2_vl": "lfm2"}
+LINEAR_CHECKPOINTS = ["qwen3_next", "kimi_linear", "minimax", "xlstm", "lfm2", "zamba", "zaya", *VISION_LANGUAGE_TEXT]
+
+
+@pytest.mark.parametrize("model_type", LINEAR_CHECKPOINTS)
+def test_explain_and_matrices_on_a_saved_linear_mixer_checkpoint(model_type, tmp_path, capsys):
+    tokenizer = build_tokenizer()
+    _linear_checkpoint(tmp_path / "model", model_type, len(tokenizer))
+    tokenizer.save_pretrained(tmp_path / "model")
+    code, out, err = run_main(capsys, "explain", "--model", tmp_path / "model", "--text", "the plot was not good",
+                              "--target", "positive", "--jsonl", tmp_path / "r.jsonl")
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert sorted(row["relevance"]) == ["attribution", "raw", "rollout"] and row["target"] == "positive"
+    assert all(len(values) == 6 for values in row["relevance"].values()), row  # 5 words and [SENTIMENT]
+    assert row["settings"]["model_class"].endswith("ForConditionalGeneration" if model_type in VISION_LANGUAGE_TEXT
+                                                   else "ForCausalLM")
+    code, out, err = run_main(capsys, "matrices", "--model", tmp_path / "model", "--text", "the plot was good",
+                              "--out-dir", tmp_path / "maps")
+    assert code == 0, err
+    explained = len(mc.implicit_attention(load(tmp_path / "model")[0], torch.tensor([[4, 5, 6]])))
+    assert len(list((tmp_path / "maps").glob("layer_*.png"))) == explained > 0

@@ -245,3 +245,39 @@ def test_unsupported_mixer_error_names_class_and_model_type():
     model.model.layers[0].linear_attn = MysteryDeltaNet()
     with pytest.raises(TypeError, match=r"MysteryDeltaNet.*qwen3_next"):
         locate(model)
+
+
+# The published checkpoints of these text models are vision-language models (Qwen3.5, GLM-5-Next, LFM2-VL, ...):
+# (model type, the text model of tiny_models inside it)
+VISION_LANGUAGE = [("qwen3_5", "qwen3_5"), ("qwen3_5_moe", "qwen3_5_moe"), ("qwen4_exp", "qwen4_exp"),
+                   ("glm5_next", "glm5_next"), ("lfm2_vl", "lfm2"), ("lfm3_vl", "lfm3")]
+
+
+def vision_language(model_type, text):
+    """A tiny random ``*ForConditionalGeneration`` of ``model_type`` with ``text``'s tiny text config (float64)."""
+    import transformers as tf
+
+    config = tf.AutoConfig.for_model(model_type, text_config=LINEAR_CONFIGS[text]().to_dict())
+    for key, value in dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, depth=1,
+                           num_heads=2, out_hidden_size=config.text_config.hidden_size).items():
+        if hasattr(config.vision_config, key):
+            setattr(config.vision_config, key, value)
+    for part in (config, config.text_config):
+        part._attn_implementation, part._experts_implementation = "sdpa", "eager"
+    torch.manual_seed(0)
+    return tf.AutoModelForImageTextToText.from_config(config).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("model_type, text", VISION_LANGUAGE)
+def test_a_vision_language_model_explains_its_language_model(model_type, text):
+    # its vision tower's block list is as shallow as the language model's layers: the maps must come from the latter
+    model = vision_language(model_type, text)
+    before = model_state(model)
+    ids, mask = padded_batch()
+    maps = mc.implicit_attention(model, ids, attention_mask=mask)
+    alone = mc.implicit_attention(model.get_decoder(), ids, attention_mask=mask)
+    assert list(maps) == list(alone) == list(range(model.config.text_config.num_hidden_layers))
+    assert all(torch.equal(maps[layer], alone[layer]) for layer in maps)
+    relevance = mc.MambaAttribution(model).attribute(ids, attention_mask=mask, target=5)
+    assert relevance.shape == (2, 12) and torch.isfinite(relevance).all() and relevance[0, :3].abs().max() == 0
+    assert_untouched(model, before)

@@ -47,9 +47,17 @@ def _located(layer, name, module, adapter_name):
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder-layer list (``backbone.layers``, ``model.layers``, ...): the shallowest ModuleList
-    named ``layers`` or ``blocks``."""
+    named ``layers`` or ``blocks`` in the model's decoder (HF's ``get_decoder()``: the language model of a
+    vision-language model such as Qwen3.5 or GLM-5-Next, whose vision tower's ``blocks`` are just as shallow)."""
+    root = model
+    try:
+        decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    except (AttributeError, NotImplementedError, ValueError):  # HF raises for models without a decoder rule
+        decoder = None
+    if isinstance(decoder, nn.Module) and decoder is not model and any(decoder is m for m in model.modules()):
+        root = decoder
     best = None
-    for name, module in model.named_modules():
+    for name, module in root.named_modules():
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks") and len(module):
             depth = name.count(".")
             if best is None or depth < best[0]:
