@@ -278,11 +278,16 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
         mixer_calls.setdefault(call.located.layer, []).append(call)
 
     for index in sorted(set(attention_calls) | set(mixer_calls)):
-        if len(attention_calls.get(index, ())) > 1 or len(mixer_calls.get(index, ())) > 1:
+        # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
+        # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
+        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in mixer_calls.get(index, ()))
+        if (len(attention_calls.get(index, ())) > 1 and not segmented) or len(mixer_calls.get(index, ())) > 1:
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
         attention = ssm = attention_grads = ssm_grads = attention_error = None
+        attentions = []
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            attentions.append(attention)
             attention_grads = _operator_grads(attention, call)
             dropout = getattr(call.module, "attention_dropout", 0.0)
             if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
@@ -290,21 +295,23 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                     f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
                     f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
                     "recovered. Explain the model in eval() mode.")
-            attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                     token_mask, module=call.module, layer_input=call.value)
+            error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                           token_mask, module=call.module, layer_input=call.value)
+            attention_error = error if attention_error is None else max(attention_error, error)
         for call in mixer_calls.get(index, ()):
             _check_no_dropout(f"layer {index} ({call.located.name})", call.located.module)
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             _check_hooked(f"layer {index} ({call.located.name})", call, dtype)
             if getattr(call.located.adapter, "CONSUMES_ATTENTION", False):
-                # softmax attention with more around it (ZAYA's shifted values): the adapter explains the whole
-                # mixer from the probabilities of its attention call, which is then not a map of its own
+                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments): the adapter
+                # explains the whole mixer from the probabilities of its attention calls, which are then not maps
+                # of their own
                 if attention is None:
                     raise RuntimeError(f"mamba_captum: layer {index} ({call.located.name}) called no attention "
                                        "interface that the capture could see; not supported.")
                 ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64,
-                                                            attention=attention)
+                                                            attention=attentions if segmented else attention)
                 attention = attention_grads = None
             else:
                 ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
