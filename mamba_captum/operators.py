@@ -47,6 +47,18 @@ def causal_neighbours(taps: int, length: int, device=None) -> torch.Tensor:
     return shifted.masked_fill(shifted < 0, -1)
 
 
+def sparse_conv(values: torch.Tensor, taps: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """The depthwise conv that :func:`banded_maps` describes with ``neighbours``, applied: ``y[:, i, c] =
+    Σ_τ taps[c, τ] · values[:, neighbours[τ, i], c]`` over the taps that read a token. values (B, L, D), taps
+    (D, T), neighbours (T, L) -> (B, L, D)."""
+    out = torch.zeros_like(values)
+    neighbours = neighbours.to(values.device)
+    for tau in range(neighbours.shape[0]):
+        valid = neighbours[tau] >= 0
+        out[:, valid] += values[:, neighbours[tau][valid]] * taps[:, tau]
+    return out
+
+
 def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", input_weight=None, neighbours=None):
     """Per-channel maps without the S6 part (the "w/o S6" ablation): H_c = diag(row_c · col_c) · M_c · diag(in_c).
 
