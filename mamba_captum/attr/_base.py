@@ -146,10 +146,11 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); a
             1-tuple when ``inputs`` was a tuple.
         """
-        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs)
-        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
+                               self._runner.packed)
 
     def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
                              start_layer=None, reduce="mean", components=None, recipe="product", **kwargs):
@@ -173,7 +174,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         """
         from ..viz import generation_queries, generation_result
 
-        if self._runner.layout is not None:
+        if self._runner.image_model:
             raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "
                             "none: use attribute(pixel_values, target=...).")
         for name in ("position", "attention_mask", "additional_forward_args"):
