@@ -121,7 +121,8 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Args:
             inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either;
-                for a Vision Mamba, pixel values (B, C, H, W).
+                for a Vision Mamba, pixel values (B, C, H, W); for a packed vision tower (LFM3-VL's), the packed
+                patches (N, P), with ``grid_thw=`` among the keywords.
             target: the explained class: int, a 1-tuple, one per example (list or 1-D tensor), or None (argmax).
                 Class-agnostic methods check it and otherwise ignore it.
             additional_forward_args: a dict of keywords for the model (e.g. ``{"position_ids": ...}``), or a tuple
@@ -143,8 +144,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Returns:
             (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
-            (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); a
-            1-tuple when ``inputs`` was a tuple.
+            (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); (N, P)
+            for packed patches (each patch's relevance repeated over its values); a 1-tuple when ``inputs`` was a
+            tuple.
         """
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,

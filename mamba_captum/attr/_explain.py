@@ -19,7 +19,8 @@ from ..checks import (check_finite, check_forward_devices, check_inputs, check_k
                       is_int, single_index, underlying_forward)
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
-from ..vision.layout import PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask, vision_layout
+from ..vision.layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
+                             vision_layout)
 
 
 @dataclass

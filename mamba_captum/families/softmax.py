@@ -4,9 +4,9 @@ The probabilities are rebuilt from what the layer handed to HF's attention inter
 projections, norms and RoPE; the mask; the scaling), so they are the same whatever ``attn_implementation`` the
 model was loaded with (eager, sdpa, flash): ``P = softmax(q kᵀ · scaling + mask)`` per head, key/value heads repeated
 for grouped-query attention; with an additive ``position_bias`` handed to the interface (inkling's relative logits)
-and ``sinks`` (inkling2: one more logit per head and query whose value is zero, dropped after the softmax); flash's varlen
-``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed sequences, e.g. LFM3-VL's vision frames) keep each query within its
-own segment. ``P v`` is checked against the interface's real output.
+and ``sinks`` (inkling2: one more logit per head and query whose value is zero, dropped after the softmax);
+flash's varlen ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed sequences, e.g. LFM3-VL's vision frames) keep each
+query within its own segment. ``P v`` is checked against the interface's real output.
 """
 from __future__ import annotations
 

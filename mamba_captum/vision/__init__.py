@@ -12,6 +12,6 @@ from .images import IMAGENET_MEAN, IMAGENET_STD, load_image, preprocess, to_disp
 from .layout import PackedPatches, TokenLayout, packed_tower, vision_layout
 from .vim import RMSNorm, VimMixer, VisionMamba
 
-__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "PackedPatches", "RMSNorm", "TokenLayout", "VimMixer", "VisionMamba",
-           "detect_config", "load_image", "load_vim", "packed_tower", "preprocess", "read_checkpoint", "to_display", "vim_base",
-           "vim_small", "vim_tiny", "vision_layout"]
+__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "PackedPatches", "RMSNorm", "TokenLayout", "VimMixer",
+           "VisionMamba", "detect_config", "load_image", "load_vim", "packed_tower", "preprocess", "read_checkpoint",
+           "to_display", "vim_base", "vim_small", "vim_tiny", "vision_layout"]
