@@ -137,8 +137,9 @@ def test_conv_layers_reproduce_their_output(dtype):
         assert records[i]["out_in"].abs().max() > 1e-2  # not vacuous
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("attn, dtype", [("sdpa", torch.float32), ("sdpa", torch.float64), ("eager", torch.float32),
+                                         ("eager", torch.float64),
+                                         ("flex_attention", torch.float32)])  # flex on CPU: no float64
 def test_attention_layers_reproduce_their_output(attn, dtype):
     tower = make_tower(dtype, attn)
     pixels, grid = patches(GRID, dtype)
@@ -149,7 +150,7 @@ def test_attention_layers_reproduce_their_output(attn, dtype):
     maps = mc.implicit_attention(tower, pixels, grid_thw=grid, reduce=None, layers=list(ATTENTION_LAYERS))
     assert list(maps) == list(ATTENTION_LAYERS)
     # HF's eager attention takes the softmax in float32 even for float64 models: its output is rounded to that
-    bound = 1e-5 if dtype == torch.float32 else (1e-10 if attn == "sdpa" else 1e-6)
+    bound = 1e-5 if dtype == torch.float32 else (1e-6 if attn == "eager" else 1e-10)
     for i in ATTENTION_LAYERS:
         P = maps[i][0].double()  # (H, N, N)
         assert P.shape == (4, 28, 28)
