@@ -282,6 +282,8 @@ def test_bad_inputs_are_refused_and_leave_nothing():
         mc.implicit_attention(tower, pixel_values=pixels[:27], grid_thw=grid)
     with pytest.raises(ValueError, match="multiples of the tower's spatial_merge_size"):
         mc.implicit_attention(tower, pixel_values=pixels, grid_thw=torch.tensor([[1, 4, 7]]))
+    with pytest.raises(TypeError, match="grid_thw must be a tensor"):
+        mc.implicit_attention(tower, pixel_values=pixels, grid_thw=GRID)
     with pytest.raises(ValueError, match="no attention_mask"):
         mc.implicit_attention(tower, pixels, torch.ones(1, 28), grid_thw=grid)
     with pytest.raises(ValueError, match="given twice"):

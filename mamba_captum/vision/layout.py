@@ -264,7 +264,10 @@ def check_packed(model: nn.Module, pixel_values, grid_thw, attention_mask=None) 
     if pixel_values.dim() != 2:
         raise ValueError(f"mamba_captum: packed pixel_values must be (N, P), one row per patch; got shape "
                          f"{tuple(pixel_values.shape)}.")
-    grid = torch.as_tensor(grid_thw)
+    if not torch.is_tensor(grid_thw):  # transformers reads grid_thw.device and grid_thw.tolist()
+        raise TypeError(f"mamba_captum: grid_thw must be a tensor (n_items, 3), as the processor returns it; got "
+                        f"{type(grid_thw).__name__}: pass torch.tensor(grid_thw).")
+    grid = grid_thw
     if grid.dtype.is_floating_point or grid.dtype == torch.bool or grid.dim() != 2 or grid.shape[-1] != 3 \
             or grid.shape[0] == 0 or bool((grid <= 0).any()):
         raise ValueError(f"mamba_captum: grid_thw must be (n_items, 3) positive integers (frames, height, width); "
