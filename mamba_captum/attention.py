@@ -14,7 +14,7 @@ from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, SumOperator, operator_output_grad
 from .session import session
-from .vision.layout import check_pixels, vision_layout
+from .vision.layout import check_packed, check_pixels, packed_tower, vision_layout
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
@@ -218,6 +218,8 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     args = ()
     if vision_layout(model) is not None:  # an image model: model(pixel_values, ...)
         args = (input_ids,)
+    elif packed_tower(model):  # a vision tower: pixel_values and grid_thw are among the keywords
+        pass
     else:
         if input_ids is not None:
             forward_kwargs["input_ids"] = input_ids
@@ -236,6 +238,11 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     families.locate(model)
     options = [n for n in inspect.signature(implicit_attention).parameters if n != "forward_kwargs"]
     check_keywords(forward_kwargs, underlying_forward(model), options, where)
+    if packed_tower(model):  # packed patches (N, P) and grid_thw: one sequence (B = 1) of the N patches
+        pixels = packed_pixels(input_ids, forward_kwargs)
+        check_packed(model, pixels, forward_kwargs.get("grid_thw"), attention_mask)
+        check_forward_devices(forward_kwargs, pixels.device, model)
+        return 1, pixels.shape[0]
     layout = vision_layout(model)
     if layout is not None:  # pixels (B, C, H, W) in, L = patches + CLS tokens
         batch = check_pixels(model, input_ids, layout, attention_mask)
@@ -248,6 +255,22 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     check_mask(attention_mask, batch, length, source.device)
     check_forward_devices(forward_kwargs, source.device, model)
     return batch, length
+
+
+def packed_pixels(inputs, forward_kwargs: dict):
+    """A packed vision tower's pixel values, given positionally (``inputs``) or as ``pixel_values=``; kept in
+    ``forward_kwargs["pixel_values"]`` for the forward call.
+
+    Raises:
+        ValueError: given both ways, or neither.
+    """
+    if inputs is not None:
+        if forward_kwargs.get("pixel_values") is not None:
+            raise ValueError("mamba_captum: the pixel values are given twice (positionally and as pixel_values=).")
+        forward_kwargs["pixel_values"] = inputs
+    if forward_kwargs.get("pixel_values") is None:
+        raise ValueError("mamba_captum: pass the packed patches, pixel_values= (N, P), with grid_thw= (n_items, 3).")
+    return forward_kwargs["pixel_values"]
 
 
 def _operator_grads(operator, call):
@@ -278,11 +301,16 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
         mixer_calls.setdefault(call.located.layer, []).append(call)
 
     for index in sorted(set(attention_calls) | set(mixer_calls)):
-        if len(attention_calls.get(index, ())) > 1 or len(mixer_calls.get(index, ())) > 1:
+        # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
+        # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
+        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in mixer_calls.get(index, ()))
+        if (len(attention_calls.get(index, ())) > 1 and not segmented) or len(mixer_calls.get(index, ())) > 1:
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
         attention = ssm = attention_grads = ssm_grads = attention_error = None
+        attentions = []
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            attentions.append(attention)
             attention_grads = _operator_grads(attention, call)
             dropout = getattr(call.module, "attention_dropout", 0.0)
             if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
@@ -290,21 +318,23 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                     f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
                     f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
                     "recovered. Explain the model in eval() mode.")
-            attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                     token_mask, module=call.module, layer_input=call.value)
+            error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                           token_mask, module=call.module, layer_input=call.value)
+            attention_error = error if attention_error is None else max(attention_error, error)
         for call in mixer_calls.get(index, ()):
             _check_no_dropout(f"layer {index} ({call.located.name})", call.located.module)
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             _check_hooked(f"layer {index} ({call.located.name})", call, dtype)
             if getattr(call.located.adapter, "CONSUMES_ATTENTION", False):
-                # softmax attention with more around it (ZAYA's shifted values): the adapter explains the whole
-                # mixer from the probabilities of its attention call, which is then not a map of its own
+                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments): the adapter
+                # explains the whole mixer from the probabilities of its attention calls, which are then not maps
+                # of their own
                 if attention is None:
                     raise RuntimeError(f"mamba_captum: layer {index} ({call.located.name}) called no attention "
                                        "interface that the capture could see; not supported.")
                 ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64,
-                                                            attention=attention)
+                                                            attention=attentions if segmented else attention)
                 attention = attention_grads = None
             else:
                 ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
@@ -365,7 +395,10 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         model: a transformers model with supported token mixers (pure or hybrid), as loaded (any kernel path), or
             a Vision Mamba (:mod:`mamba_captum.vision`).
         input_ids: (B, L) token ids (or pass ``inputs_embeds=`` (B, L, D) in ``forward_kwargs``); for a Vision
-            Mamba, pixel values (B, C, H, W): the maps are over its L patch and CLS tokens, in its own order.
+            Mamba, pixel values (B, C, H, W): the maps are over its L patch and CLS tokens, in its own order; for a
+            packed vision tower (LFM3-VL's ``Lfm3VlVisionModel``), the packed patches (N, P) (or ``pixel_values=``)
+            with ``grid_thw=`` (n_items, 3): the maps are (1, N, N) over the N patches of all items in the tower's
+            merge-block order (:class:`mamba_captum.vision.PackedPatches`), zero across frames and items.
         attention_mask: (B, L), 1 for real tokens; left or right padding.
         formulation: ``"unified"`` (gate · S6 · activation · conv [· norm], Zimerman et al.) or ``"hidden"``
             (the S6 / SSD part alone, Ali et al.).
@@ -395,7 +428,8 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
     model = unwrap_parallel(model)
     _, length = _check_arguments(model, input_ids, attention_mask, forward_kwargs, "implicit_attention")
-    source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
+    source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds",
+                                                                        forward_kwargs.get("pixel_values"))
     selected = _normalise_rows(rows, length, source.device)
     with torch.no_grad(), session(model, families.decoder_layers(model)):
         trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,
