@@ -280,7 +280,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
     for index in sorted(set(attention_calls) | set(mixer_calls)):
         if len(attention_calls.get(index, ())) > 1 or len(mixer_calls.get(index, ())) > 1:
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
-        attention = ssm = attention_grads = ssm_grads = None
+        attention = ssm = attention_grads = ssm_grads = attention_error = None
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
             attention_grads = _operator_grads(attention, call)
@@ -297,11 +297,23 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             _check_hooked(f"layer {index} ({call.located.name})", call, dtype)
-            ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
+            if getattr(call.located.adapter, "CONSUMES_ATTENTION", False):
+                # softmax attention with more around it (ZAYA's shifted values): the adapter explains the whole
+                # mixer from the probabilities of its attention call, which is then not a map of its own
+                if attention is None:
+                    raise RuntimeError(f"mamba_captum: layer {index} ({call.located.name}) called no attention "
+                                       "interface that the capture could see; not supported.")
+                ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64,
+                                                            attention=attention)
+                attention = attention_grads = None
+            else:
+                ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
             ssm_grads = _operator_grads(ssm, call)
             ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
                                call.output, rebuilt, dtype, module=call.located.module,
                                layer_input=call.hidden_states)
+            if attention is None and attention_error is not None:
+                ssm_error = max(ssm_error, attention_error)  # the probabilities were checked too
         layer = decoder_layers[index]
         if ssm is not None and attention is not None and hasattr(layer, "ssm_out_multiplier"):
             # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.

@@ -99,7 +99,7 @@ class AttentionCall:
     value: torch.Tensor  # (B, Hkv, L, d)
     attention_mask: torch.Tensor | None
     scaling: float | None
-    options: dict[str, Any]  # sliding_window, softcap, is_causal, ...
+    options: dict[str, Any]  # sliding_window, softcap, is_causal, position_bias, sinks
     output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
 
@@ -120,6 +120,7 @@ class Trace:
         for call in self.attention_calls:
             call.query, call.key, call.value = call.query.detach(), call.key.detach(), call.value.detach()
             call.output = call.output.detach()
+            call.options = {k: v.detach() if torch.is_tensor(v) else v for k, v in call.options.items()}
         self.residuals = {k: v.detach() for k, v in self.residuals.items()}
 
 
@@ -247,6 +248,8 @@ class LayerCapture(contextlib.AbstractContextManager):
         mask = kwargs.get("attention_mask")
         if mask is None and len(args) > 2:
             mask = args[2]
+        if isinstance(mask, dict):  # ZAYA's attention: {"causal": 4-D mask, "conv": 2-D padding mask}
+            mask = mask.get("conv")
         if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
             mask = None  # the mixers only ever use a 2-D padding mask
         options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
@@ -292,7 +295,8 @@ class LayerCapture(contextlib.AbstractContextManager):
         if not self.record_attention or layer is None or (self.layers is not None and layer not in self.layers):
             return
         scaling = kwargs.get("scaling", args[0] if args else None)
-        options = {k: kwargs[k] for k in ("sliding_window", "softcap", "is_causal") if k in kwargs}
+        options = {k: self._keep(kwargs[k]) for k in ("sliding_window", "softcap", "is_causal", "position_bias",
+                                                      "sinks") if k in kwargs}
         attn_out = output[0] if isinstance(output, tuple) else output
         self.trace.attention_calls.append(AttentionCall(
             layer, module, self._keep(query), self._keep(key), self._keep(value), self._keep(attention_mask),

@@ -1,10 +1,10 @@
 """``fast_scans``: run HF's Mamba-1 selective scan on a fast, exact, differentiable implementation.
 
-HF's torch path (``mamba_selective_scan`` in ``modeling_mamba``, ``modeling_falcon_mamba``, ``modeling_jamba``) is a
-per-token loop under autograd whose backward grows faster than L; gradient methods (ours, and Captum's own
-baselines) spend nearly all their time there. Inside ``fast_scans()`` these module-level functions — which the
-mixers look up at call time — are replaced by a dispatcher: CUDA tensors go to the function that was there when
-mamba-ssm is installed (its fused CUDA kernel), else float32 CUDA tensors to the Triton scan
+HF's torch path (``mamba_selective_scan`` in ``modeling_mamba``, ``modeling_falcon_mamba``, ``modeling_jamba``,
+``modeling_zamba``) is a per-token loop under autograd whose backward grows faster than L; gradient methods (ours,
+and Captum's own baselines) spend nearly all their time there. Inside ``fast_scans()`` these module-level functions
+— which the mixers look up at call time — are replaced by a dispatcher: CUDA tensors go to the function that was
+there when mamba-ssm is installed (its fused CUDA kernel), else float32 CUDA tensors to the Triton scan
 (:func:`mamba_captum.kernels.selective_scan.selective_scan_triton`), everything else to
 :func:`mamba_captum.kernels.selective_scan.selective_scan_chunked` (explicit forward and backward, linear in L,
 equal to HF's path to float rounding; plain torch). The library enters it around its own forward passes.
@@ -31,6 +31,7 @@ SCAN_MODULES = {
     "MambaMixer": "transformers.models.mamba.modeling_mamba",
     "FalconMambaMixer": "transformers.models.falcon_mamba.modeling_falcon_mamba",
     "JambaMambaMixer": "transformers.models.jamba.modeling_jamba",
+    "ZambaMambaMixer": "transformers.models.zamba.modeling_zamba",  # one call per head
 }
 
 
@@ -105,7 +106,7 @@ def fast_scans(model=None):
     the module docstring).
 
     Args:
-        model: only the scan modules of the mixers this model contains are swapped; None swaps all three.
+        model: only the scan modules of the mixers this model contains are swapped; None swaps all of them.
 
     Example::
 

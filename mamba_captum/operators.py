@@ -411,12 +411,61 @@ class SumOperator:
         return torch.cat(outs, dim=1) if reduce is None else sum(outs)
 
 
+@dataclass
+class ChannelBlocksOperator:
+    """Operators on disjoint blocks of channels, side by side (Zamba's Mamba heads, each with its own B, C, Δ): the
+    channels of ``parts`` concatenated in order. ``output`` is the parts' outputs concatenated along the last dim
+    (B, L, Σ D_p) and ``readout`` maps that (float64) to the mixer output.
+
+    Reductions: ``"sum"`` adds the parts' sums; ``"mean"`` / ``"abs_mean"`` weight each part's mean by its channel
+    count (the mean over all channels); ``reduce=None`` concatenates the per-channel maps along C.
+    """
+
+    parts: list = field(default_factory=list)
+    readout: Callable | None = field(default=None, repr=False)
+
+    def to(self, dtype: torch.dtype):
+        return replace(self, parts=[op.to(dtype) for op in self.parts])
+
+    @property
+    def output(self) -> torch.Tensor:
+        return torch.cat([op.output for op in self.parts], dim=-1)
+
+    @property
+    def channels(self) -> int:
+        return sum(op.channels for op in self.parts)
+
+    @property
+    def value_channels(self) -> int:
+        return sum(op.value_channels for op in self.parts)
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ over the parts of their contributions, ``grad`` (shaped like :attr:`output`) split along its last dim."""
+        widths = [op.output.shape[-1] for op in self.parts]
+        return sum(op.contributions(g, rows) for op, g in zip(self.parts, grad.split(widths, dim=-1)))
+
+    def maps(self, reduce="mean", rows=None):
+        outs = [op.maps(reduce, rows) for op in self.parts]
+        if reduce is None:
+            return torch.cat(outs, dim=1)
+        if reduce == "sum":
+            return sum(outs)
+        counts = [op.channels for op in self.parts]
+        return sum(count * out for count, out in zip(counts, outs)) / sum(counts)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One core per head: the delta rule, KDA, lightning attention, mLSTM, softmax with convolved values
 
 
 class _Core:
     """A per-head core α_h (B, H, L, L) given by rows: ``rows(b, rows) -> (H, R, L)``."""
+
+    def full(self) -> torch.Tensor:
+        """The whole core, (B, H, L, L)."""
+        batch, length = self.q.shape[:2] if hasattr(self, "q") else (self.probs.shape[0], self.probs.shape[-1])
+        rows = torch.arange(length, device=(self.q if hasattr(self, "q") else self.probs).device)
+        return torch.stack([self.rows(b, rows) for b in range(batch)])
 
     def to(self, dtype: torch.dtype):
         changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
@@ -471,6 +520,15 @@ class DenseCore(_Core):
 
     def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
         return self.probs[b][:, rows]
+
+
+def gate_norm_rows(components, gate, norm_scale):
+    """The unified row weight of an output gate and a norm scale (each a per-token, per-channel factor), as
+    ``components`` keeps them: gate · scale, either alone, or None when both are switched off."""
+    kept = [w for name, w in (("gate", gate), ("norm", norm_scale)) if name in components and w is not None]
+    if not kept:
+        return None
+    return kept[0] if len(kept) == 1 else kept[0] * kept[1]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 import transformers.models.falcon_mamba.modeling_falcon_mamba as hf_falcon_mamba
 import transformers.models.jamba.modeling_jamba as hf_jamba
 import transformers.models.mamba.modeling_mamba as hf_mamba
+import transformers.models.zamba.modeling_zamba as hf_zamba
 from conftest import relative_error
 from test_identities import liven
 from tiny_models import MAMBA1, VOCAB, make_model
@@ -14,7 +15,7 @@ from tiny_models import MAMBA1, VOCAB, make_model
 import mamba_captum as mc
 from mamba_captum.kernels.selective_scan import selective_scan_chunked, selective_scan_naive
 
-SCAN_MODULES = (hf_mamba, hf_falcon_mamba, hf_jamba)
+SCAN_MODULES = (hf_mamba, hf_falcon_mamba, hf_jamba, hf_zamba)
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
 
@@ -81,7 +82,8 @@ def test_swapped_only_inside_and_restored_on_every_exit():
         dispatchers = [m.mamba_selective_scan for m in SCAN_MODULES]
         with mc.fast_scans(make_model("mamba")):  # nested: one dispatcher per module, the thread counted twice
             assert [m.mamba_selective_scan for m in SCAN_MODULES] == dispatchers
-            assert depth() == {hf_mamba.__name__: 2, hf_falcon_mamba.__name__: 1, hf_jamba.__name__: 1}
+            assert depth() == {hf_mamba.__name__: 2, hf_falcon_mamba.__name__: 1, hf_jamba.__name__: 1,
+                               hf_zamba.__name__: 1}
         assert all(count == 1 for count in depth().values())
     assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals and not depth()
     with pytest.raises(RuntimeError, match="boom"), mc.fast_scans():

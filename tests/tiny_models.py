@@ -61,9 +61,23 @@ RECURRENT_CONFIGS = {
 
 
 def _linear_hybrid(**kw):
-    return dict(intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    base = dict(intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                 linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"], **kw)
+                linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+    return {**base, **kw}
+
+
+def _kda(**kw):
+    kw.setdefault("layer_types", ["linear_attention", "full_attention"])
+    kw.setdefault("num_experts", 2)
+    return dict(intermediate_size=64, moe_intermediate_size=16, num_attention_heads=2, num_key_value_heads=2,
+                linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4, mlp_layer_types=["dense", "sparse"],
+                **kw)
+
+
+def _text_config(model_type, name, **kw):
+    module = __import__(f"transformers.models.{model_type}.configuration_{model_type}", fromlist=[name])
+    return getattr(module, name)(**kw)
 
 
 def _short_conv(**kw):
@@ -78,11 +92,50 @@ LINEAR_CONFIGS = {
     "qwen3_next": lambda: tf.Qwen3NextConfig(**_common(num_hidden_layers=2, **_linear_hybrid(
         decoder_sparse_step=1, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
         num_experts_per_tok=1))),
+    "qwen3_5": lambda: _text_config("qwen3_5", "Qwen3_5TextConfig", **_common(num_hidden_layers=2, **_linear_hybrid())),
+    "qwen3_5_moe": lambda: _text_config("qwen3_5_moe", "Qwen3_5MoeTextConfig", **_common(
+        num_hidden_layers=2, **_linear_hybrid(moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                                              num_experts=2, num_experts_per_tok=1))),
+    "qwen4_exp": lambda: _text_config("qwen4_exp", "Qwen4ExpTextConfig", **_common(num_hidden_layers=2, **_linear_hybrid(
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+        hc_count=2, hc_lowrank=8, ple_layer_ids=[], output_gate_type="sigmoid", indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
+        layer_types=["linear_attention", "indexed_attention"]))),
+    "olmo_hybrid": lambda: tf.OlmoHybridConfig(**_common(num_hidden_layers=2, **_linear_hybrid(
+        num_key_value_heads=2, linear_allow_neg_eigval=True))),
+    "kimi_linear": lambda: tf.KimiLinearConfig(**_common(num_hidden_layers=2, **_kda(
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+        num_shared_experts=1, num_expert_group=1, topk_group=1, num_experts_per_token=1))),
+    "bailing_hybrid": lambda: tf.BailingHybridConfig(**_common(num_hidden_layers=2, **_kda(
+        kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8, num_shared_experts=1,
+        num_expert_group=1, topk_group=1, num_experts_per_token=1, first_k_dense_replace=1, head_dim=8,
+        kda_safe_gate=True, kda_lower_bound=-5.0))),
+    "glm5_next": lambda: _text_config("glm5_next", "Glm5NextTextConfig", **_common(num_hidden_layers=2, **_kda(
+        n_shared_experts=1, n_routed_experts=2, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0,
+        v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=1, index_topk=8,
+        index_head_dim=8, index_n_heads=2, index_kpool=4, linear_lower_bound=-5.0, hc_mult=2,
+        layer_types=["linear_attention", "indexed_attention"], indexer_types=["full", "full"]))),
+    "minimax": lambda: tf.MiniMaxConfig(**_common(
+        num_hidden_layers=3, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_local_experts=2, num_experts_per_tok=1, block_size=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    # use_cache=False: xLSTM's cache rounds its head sizes up to 64 and fails for a 32-wide model
+    "xlstm": lambda: tf.xLSTMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=2, chunk_size=8,
+                                    use_cache=False, norm_reduction_force_float32=False, pad_token_id=0,
+                                    bos_token_id=1, eos_token_id=2),
     "lfm2": lambda: tf.Lfm2Config(**_common(num_hidden_layers=3, **_short_conv())),
     "lfm2_moe": lambda: tf.Lfm2MoeConfig(**_common(num_hidden_layers=3, moe_intermediate_size=16, num_dense_layers=1,
                                                     num_experts=2, num_experts_per_tok=1, **_short_conv())),
     "lfm3": lambda: tf.Lfm3Config(**_common(num_hidden_layers=3, **_short_conv(
         head_dim=8, sliding_window=4, layer_types=["conv", "sliding_attention", "conv"]))),
+}
+# Zamba (v1): Mamba-1 heads with their own B, C, Δ (tests/test_zamba.py); kept apart from CONFIGS, whose tests are
+# written for one B, C per layer. Two hybrid layers at least: HF's weight tying refuses exactly one.
+ZAMBA_CONFIGS = {
+    "zamba": lambda: tf.ZambaConfig(**_common(num_hidden_layers=4, intermediate_size=64, num_attention_heads=4,
+                                              num_key_value_heads=4, n_mamba_heads=2, mamba_d_state=8,
+                                              mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                                              layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])),
 }
 MAMBA1 = ("mamba", "falcon_mamba", "jamba")
 MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehybrid")
@@ -90,13 +143,16 @@ MAMBA2 = ("mamba2", "bamba", "zamba2", "nemotron_h", "falcon_h1", "granitemoehyb
 
 def make_model(family: str, dtype=torch.float32, seed: int = 0, attn_implementation: str = "eager", **overrides):
     """A tiny random causal LM of ``family`` in eval mode. Overrides are set on the config."""
-    config = {**CONFIGS, **RECURRENT_CONFIGS, **LINEAR_CONFIGS}[family]()
+    config = {**CONFIGS, **RECURRENT_CONFIGS, **LINEAR_CONFIGS, **ZAMBA_CONFIGS}[family]()
     for key, value in overrides.items():
         setattr(config, key, value)
     config._attn_implementation = attn_implementation
     config._experts_implementation = "eager"  # grouped_mm has no float64
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError:  # a text model without a causal-LM class (glm5_next): the base model
+        model = tf.AutoModel.from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -28,7 +28,7 @@ def _pairwise(left, right, cumulative, causal):
         return (left @ right.transpose(-1, -2)) * exponent.exp()
     exponent = (cumulative[:, :, None, :] - cumulative[:, None, :, :]).masked_fill(~causal[..., None],
                                                                                     float("-inf"))
-    return torch.einsum("hik,hijk,hjk->hij", left, exponent.exp(), right)
+    return torch.einsum("hik,hijk,hjk->hij", left, exponent.exp().to(left.dtype), right)
 
 
 def delta_rule_alpha_chunked(q, k, beta, log_decay, *, last_row=None, chunk_size=CHUNK_SIZE):

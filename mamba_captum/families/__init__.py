@@ -13,19 +13,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import gated_deltanet, mamba, mamba2, recurrent_gemma, rwkv, short_conv, vim
+from . import (conv_attention, gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv,
+               vim, zamba)
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 short_conv)
+                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
-KNOWN_UNSUPPORTED = (
-    "KimiLinearDeltaAttention",
-)
+KNOWN_UNSUPPORTED = tuple(conv_attention.REFUSED)
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 
@@ -64,15 +63,19 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 # Class-name fragments of token mixers that are not softmax attention (transformers' naming): a module called so
 # without an adapter must be refused, not skipped.
-MIXER_NAME_FRAGMENTS = ("LinearAttention", "DeltaNet", "DeltaAttention", "ShortConv", "LightningAttention",
-                        "mLSTM", "xLSTMLayer", "Retention", "GatedLinear")
+MIXER_NAME_FRAGMENTS = ("DeltaNet", "DeltaAttention", "ShortConv", "LightningAttention", "mLSTMLayer", "xLSTMLayer",
+                        "Retention")
+CONTAINER_NAME_FRAGMENTS = ("DecoderLayer", "Block", "Model", "For")  # layers and models named after their mixer
 
 
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
     if name in ADAPTERS:
         return False
-    if name in KNOWN_UNSUPPORTED or any(fragment in name for fragment in MIXER_NAME_FRAGMENTS):
+    if name in KNOWN_UNSUPPORTED:
+        return True
+    if any(fragment in name for fragment in MIXER_NAME_FRAGMENTS) \
+            and not any(fragment in name for fragment in CONTAINER_NAME_FRAGMENTS):
         return True
     # Any other selective-SSM-like module (a learned A_log and a Mixer-ish name) is a variant we cannot vouch for.
     return hasattr(module, "A_log") and any(key in name for key in ("Mixer", "Mamba", "SSM", "Ssm"))
@@ -95,6 +98,12 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                         f"mamba_captum: layer {index} is the official Vim code's Mamba mixer (mamba-ssm fork, "
                         f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
                         "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
+                why = conv_attention.REFUSED.get(type(module).__name__)
+                if why is not None:  # known, and known not to fit any operator: say why
+                    raise TypeError(
+                        f"mamba_captum: layer {index} ({name}) uses the token mixer {type(module).__name__}"
+                        f"{f' (model type {model_type!r})' if model_type else ''}, which cannot be explained "
+                        f"exactly: {why}.")
                 raise TypeError(
                     f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}"
                     f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "

@@ -1,14 +1,17 @@
-"""Gated delta-net: Qwen3NextGatedDeltaNet (qwen3_next) and its copies in qwen3_5, qwen3_5_moe, qwen4_exp and
-olmo_hybrid; the softmax layers of these hybrids are softmax layers (:mod:`.softmax`).
+"""Gated delta-net: Qwen3NextGatedDeltaNet (qwen3_next), Qwen3_5GatedDeltaNet / Qwen3_5MoeGatedDeltaNet (qwen3_5,
+qwen3_5_moe), Qwen4ExpTextGatedDeltaNet (qwen4_exp), OlmoHybridGatedDeltaNet (olmo_hybrid); the softmax layers of
+these hybrids are softmax layers (:mod:`.softmax`). The pieces shared with KDA (:mod:`.kda`) live here.
 
 Forward (transformers 5.23, ``Qwen3NextGatedDeltaNet.forward``): ``h·m`` (pads zeroed); q, k, v, z, b, a from the
-input projections; ``silu(conv(q ‖ k ‖ v))`` (depthwise, causal, no bias); q, k L2-normalised (eps 1e-6), q scaled
+input projections (Qwen3-Next: one interleaved ``in_proj_qkvz`` / ``in_proj_ba``; Qwen3.5 and Qwen4-exp:
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; OLMo-hybrid: ``q/k/v/g/b/a_proj``, ``o_proj``); ``silu(conv(q ‖ k ‖ v))`` (depthwise, causal, no bias); q, k L2-normalised (eps 1e-6), q scaled
 by d_k^−½, key heads repeated for the value heads; ``β = σ(b)`` (×2 where ``allow_neg_eigval``),
-``g = −exp(A_log)·softplus(a + dt_bias)``; ``o = delta_rule(q, k, v, g, β)``; ``out = out_proj(ν·silu(z)·o)``
-with ν the gated RMS norm's scale (weight / rms over the head's value channels, before the gate).
+``g = −exp(A_log)·softplus(a + dt_bias)``; ``o = delta_rule(q, k, v, g, β)``; ``out = out_proj(ν·act(z)·o)``
+with ν the gated RMS norm's scale (weight / rms over the head's value channels, before the gate) and act its gate
+activation (silu; Qwen4-exp's ``output_gate_type`` may make it sigmoid).
 
 hidden:  α_h[t, s] = q_tᵀ (I − β_t k_t k_tᵀ) D_t ⋯ (I − β_{s+1} k_{s+1}k_{s+1}ᵀ) D_{s+1} β_s k_s   over v (after conv).
-unified: H_c = diag(ν_c · silu(z_c)) · α_h · diag(σ(pre_c)·m) · M_c   for value channel c of head h,  over v before
+unified: H_c = diag(ν_c · act(z_c)) · α_h · diag(σ(pre_c)·m) · M_c   for value channel c of head h,  over v before
          the conv (pre: the conv output, ν computed from the real activations).
 q and k come from the same tokens but, as B and C of the SSMs, enter α (detached), not the attribution.
 """
@@ -17,20 +20,40 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transformers.activations import ACT2FN
+
 from ..kernels.delta_rule import delta_rule_output_chunked
-from ..operators import DeltaRuleCore, HeadOperator
+from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows
 from .mamba import _masked
 from .unhooked import linear_readout, run
 
-MIXER_CLASSES = ("Qwen3NextGatedDeltaNet",)
+MIXER_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 
 
 def projections(mixer, h):
-    """q, k (B, L, H_k·K), v and z (B, L, H_v·P), b and a (B, L, H_v): the layer's input projections."""
-    query, key, value, z, b, a = mixer.fix_query_key_value_ordering(run(mixer.in_proj_qkvz, h),
-                                                                    run(mixer.in_proj_ba, h))
+    """q, k (B, L, H_k·K), v and the output gate's input z (B, L, H_v·P), b and a (B, L, H_v)."""
     flat = lambda t: t.reshape(t.shape[0], t.shape[1], -1)  # noqa: E731
-    return flat(query), flat(key), flat(value), flat(z), b, a
+    if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(run(mixer.in_proj_qkvz, h),
+                                                                        run(mixer.in_proj_ba, h))
+        return flat(query), flat(key), flat(value), flat(z), b, a
+    if hasattr(mixer, "in_proj_qkv"):  # Qwen3.5, Qwen4-exp: contiguous, head-major
+        query, key, value = run(mixer.in_proj_qkv, h).split([mixer.key_dim, mixer.key_dim, mixer.value_dim], -1)
+        return query, key, value, run(mixer.in_proj_z, h), run(mixer.in_proj_b, h), run(mixer.in_proj_a, h)
+    return (run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h), run(mixer.g_proj, h),
+            run(mixer.b_proj, h), run(mixer.a_proj, h))  # OLMo-hybrid
+
+
+def output_modules(mixer):
+    """(gated norm, output projection): ``norm`` / ``out_proj``, or OLMo's and KDA's ``o_norm`` / ``o_proj``."""
+    norm = mixer.norm if hasattr(mixer, "norm") else mixer.o_norm
+    return norm, (mixer.out_proj if hasattr(mixer, "out_proj") else mixer.o_proj)
+
+
+def gate_activation(norm, gate_input):
+    """The gated norm's gate, float64: ``ACT2FN[norm.activation]`` (silu or sigmoid)."""
+    return ACT2FN[getattr(norm, "activation", "silu")](gate_input.double())
 
 
 def gated_rms_scale(mixer_norm, output):
@@ -93,11 +116,7 @@ def operator_from_pieces(call, formulation, components, work_dtype, *, core, val
             return readout_proj((gated_rms_scale(norm, out) * gate64 * out).reshape(batch, length, -1))
 
         return HeadOperator(core, **common, values=values, output=output, readout=readout), rebuilt
-    row = None
-    if "gate" in components:
-        row = gate
-    if "norm" in components:
-        row = nu if row is None else row * nu
+    row = gate_norm_rows(components, gate, nu)
     col = per_head(torch.sigmoid(w(conv_pre))) if "act" in components else None
     if operator_mask is not None:
         mask_col = operator_mask[:, :, None, None].expand(batch, length, value_heads, head_dim)
@@ -123,7 +142,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                   "the unified operator is defined for silu.")
     h = _masked(call.hidden_states, call.attention_mask)
     query, key, value, z, b, a = projections(mixer, h)
-    key_dim, value_dim = mixer.key_dim, mixer.value_dim
+    key_dim = mixer.key_dim
     conv_pre = causal_conv(torch.cat([query, key, value], dim=-1), mixer.conv1d)
     mixed = F.silu(conv_pre)
     query, key = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim]
@@ -132,7 +151,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         beta = beta * 2.0
     log_decay = -torch.exp(mixer.A_log.double()) * F.softplus(a.double() + mixer.dt_bias.double())
     core = delta_rule_inputs(query, key, beta, log_decay, mixer.num_v_heads, mixer.head_k_dim, work_dtype)
+    norm, out_proj = output_modules(mixer)
     return operator_from_pieces(call, formulation, components, work_dtype, core=core, value_pre=value,
                                 conv_pre=conv_pre[..., 2 * key_dim:], taps=mixer.conv1d.weight[2 * key_dim:, 0, :],
-                                gate=F.silu(z.double()), norm=mixer.norm, out_proj=mixer.out_proj,
+                                gate=gate_activation(norm, z), norm=norm, out_proj=out_proj,
                                 value_heads=mixer.num_v_heads, head_dim=mixer.head_v_dim)

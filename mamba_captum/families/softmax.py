@@ -3,7 +3,8 @@
 The probabilities are rebuilt from what the layer handed to HF's attention interface (query and key after
 projections, norms and RoPE; the mask; the scaling), so they are the same whatever ``attn_implementation`` the
 model was loaded with (eager, sdpa, flash): ``P = softmax(q kᵀ · scaling + mask)`` per head, key/value heads repeated
-for grouped-query attention. ``P v`` is checked against the interface's real output.
+for grouped-query attention; with an additive ``position_bias`` handed to the interface (inkling's relative logits)
+and ``sinks`` (inkling2: one more logit per head and query whose value is zero, dropped after the softmax). ``P v`` is checked against the interface's real output.
 """
 from __future__ import annotations
 
@@ -53,8 +54,16 @@ def rebuild(call, work_dtype: torch.dtype, mask):
     softcap = call.options.get("softcap")
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    position_bias = call.options.get("position_bias")  # inkling: data-dependent relative logits (B, H, Lq, Lk)
+    if position_bias is not None:
+        scores = scores + position_bias.to(work_dtype)
     scores = scores + _additive_mask(call, q.shape[2], k.shape[2], work_dtype, q.device)
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (pad) rows -> 0
+    sinks = call.options.get("sinks")  # inkling2: one extra logit per (head, query) with a zero value (B, H, Lq, 1)
+    if sinks is not None:
+        sinks = sinks.to(work_dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1].nan_to_num(0.0)
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked (pad) rows -> 0
     rebuilt = (probs @ v).transpose(1, 2)
     operator = SoftmaxOperator(probs, mask, values=v, output=rebuilt, readout=lambda out: out)
     return operator, rebuilt, call.output.to(work_dtype)

@@ -1,0 +1,52 @@
+"""Kimi delta attention (KDA): KimiLinearDeltaAttention (kimi_linear), BailingHybridDeltaAttention
+(bailing_hybrid), Glm5NextTextLinearAttention (glm5_next); their MLA / softmax layers are softmax layers.
+
+Forward (transformers 5.23, ``KimiLinearDeltaAttention.forward``): the gated delta rule of :mod:`.gated_deltanet`
+with one decay per key channel, ``D_t = diag(exp(g_t))``, g from the layer's ``forget_gate`` module (Kimi:
+``−exp(A_log)·softplus(f_b(f_a(h)) + dt_bias)``; Bailing and GLM-5-next: the "safe gate"
+``lower_bound·σ(exp(A_log)·(f(h) + dt_bias))``); ``h·m``; ``q, k, v = silu(conv(q_proj h ‖ k_proj h ‖ v_proj h))``
+(one depthwise causal conv, no bias); ``β = σ(b_proj h)``; q, k L2-normalised, q scaled by d^−½; one head count
+for q, k and v; ``out = o_proj(ν · σ(gate) · o)`` with the σ-gated RMS norm (gate: ``g_b(g_a(h))`` or ``g_proj h``).
+
+hidden:  α_h[t, s] = q_tᵀ (I − β_t k_t k_tᵀ) D_t ⋯ (I − β_{s+1} k_{s+1}k_{s+1}ᵀ) D_{s+1} β_s k_s   over v (after conv).
+unified: H_c = diag(ν_c · σ(gate_c)) · α_h · diag(σ(pre_c)·m) · M_c                             over v before the conv.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .gated_deltanet import causal_conv, delta_rule_inputs, gate_activation, operator_from_pieces, output_modules
+from .mamba import _masked
+from .unhooked import run
+
+MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed, (B, L, D).
+    """
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "the unified operator is defined for silu.")
+    h = _masked(call.hidden_states, call.attention_mask)
+    width = mixer.qkv_dim
+    conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
+                           mixer.conv1d)
+    mixed = F.silu(conv_pre)
+    batch, length, _ = h.shape
+    log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
+    beta = torch.sigmoid(run(mixer.b_proj, h).double())
+    core = delta_rule_inputs(mixed[..., :width], mixed[..., width:2 * width], beta, log_decay, mixer.num_heads,
+                             mixer.head_dim, work_dtype)
+    gate_input = run(mixer.g_proj, h) if hasattr(mixer, "g_proj") else run(mixer.g_b_proj, run(mixer.g_a_proj, h))
+    norm, out_proj = output_modules(mixer)
+    value = run(mixer.v_proj, h)
+    return operator_from_pieces(call, formulation, components, work_dtype, core=core, value_pre=value,
+                                conv_pre=conv_pre[..., 2 * width:], taps=mixer.conv1d.weight[2 * width:, 0, :],
+                                gate=gate_activation(norm, gate_input), norm=norm, out_proj=out_proj,
+                                value_heads=mixer.num_heads, head_dim=mixer.head_dim)
