@@ -19,7 +19,7 @@ import transformers as tf
 from ..fast_scans import fast_scans
 from .tasks import ClassificationTask, _long_range, _negation, bbc_news, make_task
 
-FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2")
+FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm")
 # Bamba also has a tiny config (tiny_config("bamba", ...)) but never left chance on needle: see docs/faithfulness.md.
 WEIGHTS = "weights"
 CURRICULUM_STEPS = 200
@@ -42,7 +42,8 @@ def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfi
     """The config of the tiny classifier of ``family`` (width 32, two token-mixing layers of the family; Bamba adds
     one attention layer between them; RecurrentGemma uses RG-LRU blocks only so its recurrence is explained;
     Qwen3-Next uses gated delta-net layers only, with dense MLPs; LFM2 puts one attention layer between its two
-    short-conv layers, whose 3-token band cannot carry the answer to the query on its own)."""
+    short-conv layers, whose 3-token band cannot carry the answer to the query on its own; xLSTM has two mLSTM blocks,
+    2 heads, FFNs of width 64 like the others' MLPs)."""
     common = dict(vocab_size=vocab_size, hidden_size=32, pad_token_id=0, bos_token_id=2, eos_token_id=2,
                   tie_word_embeddings=family != "rwkv")
     if family == "mamba":
@@ -76,6 +77,11 @@ def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfi
         return tf.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=64,
                              num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
                              block_auto_adjust_ff_dim=False, **common)
+    if family == "xlstm":
+        # use_cache=False: HF's xLSTMCache rounds the head sizes up to 64 and fails on a 32-wide model. The mLSTM
+        # ignores attention_mask; the tasks have no padding. HF's xLSTMForCausalLM keeps its own lm_head (no tying).
+        return tf.xLSTMConfig(num_hidden_layers=2, num_heads=2, chunk_size=16, ffn_proj_factor=2.0,
+                              ffn_round_up_to_multiple_of=16, use_cache=False, **{**common, "tie_word_embeddings": False})
     raise ValueError(f"mamba_captum: unknown family {family!r}; choose one of {FAMILIES}.")
 
 
