@@ -35,6 +35,9 @@ import torch
 PAD, UNK, QUERY = 0, 1, 2
 SPECIALS = ("[PAD]", "[UNK]", "[QUERY]")
 TASKS = ("needle", "negation", "long_range", "counting", "real_words")
+# Tasks whose evidence must change how other tokens are read (the selection / gating path), not only be read:
+# order (X before Y: a sum of the tokens' values cannot tell), conjunction (both of two tokens).
+SELECTION_TASKS = ("conjunction", "order")
 
 
 @dataclass
@@ -221,8 +224,49 @@ def _real_words(count, length, generator):
     return _finish("real_words", vocab, label_ids, ids, labels, relevant)
 
 
+def _conjunction(count, length, generator):
+    left, right = ["x0", "x1"], ["y0", "y1"]
+    fillers = [f"w{k}" for k in range(40)]
+    vocab, label_ids, ids_of = _vocab(2, left + right + fillers)
+    ids = _filler(count, length, [ids_of[w] for w in fillers], generator)
+    relevant = torch.zeros(count, length, dtype=torch.bool)
+    # half the examples hold both (class 1); the other half one of them (0.4 each) or neither (0.2)
+    labels = _balanced_labels(count, generator)
+    draw = torch.rand(count, generator=generator)
+    for b in range(count):
+        has_left = bool(labels[b]) or float(draw[b]) < 0.4
+        has_right = bool(labels[b]) or 0.4 <= float(draw[b]) < 0.8
+        places = torch.randperm(length - 1, generator=generator)[:2]
+        for present, words, place in ((has_left, left, places[0]), (has_right, right, places[1])):
+            if present:
+                ids[b, place] = ids_of[words[int(torch.randint(0, 2, (1,), generator=generator))]]
+                # relevant where each is necessary: with both (class 1), removing either makes it class 0;
+                # a lone one decides nothing (class 0 with or without it)
+                relevant[b, place] = bool(labels[b])
+    return _finish("conjunction", vocab, label_ids, ids, labels, relevant)
+
+
+def _order(count, length, generator):
+    fillers = [f"w{k}" for k in range(40)]
+    vocab, label_ids, ids_of = _vocab(3, ["X", "Y"] + fillers)
+    ids = _filler(count, length, [ids_of[w] for w in fillers], generator)
+    relevant = torch.zeros(count, length, dtype=torch.bool)
+    # class 1: X before Y; class 0: Y before X; class 2 (a quarter): only one of them. With both, each is
+    # necessary (without either the class is 2); "which comes last" alone cannot tell class 2 apart
+    labels = torch.randint(0, 4, (count,), generator=generator).clamp(max=2)
+    lone = torch.randint(0, 2, (count,), generator=generator)
+    for b in range(count):
+        first, second = sorted(torch.randperm(length - 1, generator=generator)[:2].tolist())
+        if labels[b] == 2:
+            ids[b, first] = ids_of["X"] if lone[b] else ids_of["Y"]
+            continue
+        ids[b, first], ids[b, second] = (ids_of["X"], ids_of["Y"]) if labels[b] else (ids_of["Y"], ids_of["X"])
+        relevant[b, [first, second]] = True
+    return _finish("order", vocab, label_ids, ids, labels, relevant)
+
+
 _MAKERS = {"needle": (_needle, 48), "negation": (_negation, 48), "long_range": (_long_range, 256),
-           "counting": (_counting, 48), "real_words": (_real_words, 48)}
+           "counting": (_counting, 48), "real_words": (_real_words, 48), "conjunction": (_conjunction, 48), "order": (_order, 48)}
 
 
 def make_task(name: str, count: int, seed: int, length: int | None = None) -> ClassificationTask:
@@ -232,7 +276,7 @@ def make_task(name: str, count: int, seed: int, length: int | None = None) -> Cl
     Returns a :class:`ClassificationTask` with ``input_ids`` (count, L), ``labels`` (count,), ``relevant`` (count, L).
     """
     if name not in _MAKERS:
-        raise ValueError(f"mamba_captum: unknown task {name!r}; choose one of {TASKS}.")
+        raise ValueError(f"mamba_captum: unknown task {name!r}; choose one of {TASKS + SELECTION_TASKS}.")
     maker, default = _MAKERS[name]
     length = default if length is None else int(length)
     minimum = 256 if name == "long_range" else 16
