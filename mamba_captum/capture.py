@@ -83,6 +83,7 @@ class MixerCall:
     output: torch.Tensor | None = None  # (B, L, D_model) the mixer's real output
     unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
+    input_effects: list | None = None  # per target, (B, L) gradient × input at hidden_states (selection-aware)
     options: dict = field(default_factory=dict)  # the mixer's other keyword arguments (e.g. position_ids)
     # submodules that carry the user's hooks: (path, module, input before any pre-hook, output after every hook)
     hooked: list = field(default_factory=list)
@@ -102,6 +103,7 @@ class AttentionCall:
     options: dict[str, Any]  # sliding_window, softcap, is_causal, position_bias, sinks, cu_seq_lens_q / _k (varlen)
     output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
+    input_effects: list | None = None  # per target, (B, L) gradient × input at query and key (selection-aware)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from .attribution import GRADIENT_RULES, MambaAttribution
 from .raw_attention import MambaRawAttention
 from .rollout import MambaRollout
 from .rwkv_attribution import RWKVAttribution
+from .selection_attribution import SPREADS, MambaSelectionAttribution
 
-__all__ = ["GRADIENT_RULES", "RECIPES", "ImplicitAttentionMethod", "MambaAttribution", "MambaRawAttention",
-           "MambaRollout", "RWKVAttribution"]
+__all__ = ["GRADIENT_RULES", "RECIPES", "SPREADS", "ImplicitAttentionMethod", "MambaAttribution", "MambaRawAttention",
+           "MambaRollout", "MambaSelectionAttribution", "RWKVAttribution"]

@@ -103,7 +103,8 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             inputs, attention_mask=attention_mask, position=position, queries=queries, targets=target,
             additional_forward_args=additional_forward_args, forward_kwargs=forward_kwargs, formulation=formulation,
             components=components, start_layer=start, residual_grads=self._wants_residual(options),
-            operator_grads=self._wants_operator_grads(options), need_scores=target is not None, options=names,
+            operator_grads=self._wants_operator_grads(options), input_effects=self._wants_input_effects(options),
+            need_scores=target is not None, options=names,
             where=f"{type(self).__name__}.attribute")
         return explained, self._relevance(explained, options)
 
@@ -112,6 +113,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
     def _wants_operator_grads(self, options) -> bool:
         return self.needs_operator_grads
+
+    def _wants_input_effects(self, options) -> bool:
+        return False
 
     @log_usage()  # Captum's wrapper: NoiseTunnel calls attribute.__wrapped__
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,

@@ -76,6 +76,7 @@ class LayerRecord:
     operator: object  # see mamba_captum.operators
     operator_grads: list | None  # per query: gradient w.r.t. the operator's output (gradient × operator rule)
     residual_grads: list | None  # per query: (B, L, D) gradient w.r.t. the residual stream entering the layer
+    input_effects: list | None = None  # per query: (B, L) Σ_features gradient × input at the layer's inputs
 
 
 @dataclass
@@ -107,7 +108,22 @@ class Explained:
             for key, operator, _, grads in _operators(self.model, self.trace, self.decoder_layers, self.formulation,
                                                       self.components, attention_mask):
                 layer = key if isinstance(key, int) else int(str(key).split(".")[0])
-                yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer))
+                yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer),
+                                  self._input_effects(key, layer))
+
+    def _input_effects(self, key, layer):
+        """Per query, the (B, L) gradient × input of the record's layer at its inputs, or None (not asked for).
+
+        A layer with a mixer: the mixer input (it feeds everything the mixer does, including an attention call the
+        mixer consumes and FalconH1's parallel attention, which reads the same tensor); an attention layer of its
+        own (or Zamba2's shared block): its queries and keys (the values' part is the operator's own)."""
+        mixers = [c for c in self.trace.mixer_calls if c.located.layer == layer]
+        calls = mixers if (isinstance(key, int) and mixers) else \
+            [c for c in self.trace.attention_calls if c.layer == layer]
+        effects = [getattr(c, "input_effects", None) for c in calls]
+        if not calls or any(e is None for e in effects):
+            return None
+        return [sum(per_call[q] for per_call in effects) for q in range(len(effects[0]))]
 
 
 # -- argument handling ---------------------------------------------------------------------------------------------
@@ -364,8 +380,8 @@ class Runner:
 
     def run(self, inputs, *, attention_mask=None, position=None, queries=None, targets=None,
             additional_forward_args=None, forward_kwargs=None, formulation="unified", components=None,
-            start_layer=0, residual_grads=False, operator_grads=False, need_scores=False, options=(),
-            where="the method") -> Explained:
+            start_layer=0, residual_grads=False, operator_grads=False, input_effects=False, need_scores=False,
+            options=(), where="the method") -> Explained:
         """One forward pass under the hooks; gradients of each query's target score if asked for.
 
         ``queries``: explicit list of (positions (B,), targets (B,) or None) for generation; otherwise one query from
@@ -375,7 +391,7 @@ class Runner:
         if formulation not in FORMULATIONS:
             raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
         kept = families.parse_components(components, formulation)
-        need_grad = residual_grads or operator_grads
+        need_grad = residual_grads or operator_grads or input_effects
         if need_grad and torch.is_inference_mode_enabled():
             raise RuntimeError("mamba_captum: this method takes gradients, which torch.inference_mode() forbids; "
                                "call it outside inference_mode (the library switches gradients on for its own "
@@ -446,7 +462,7 @@ class Runner:
             explained.queries = [Query(pos, tgt, weights, self.causal) for pos, _, tgt in queries]
             explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
             if need_grad:
-                self._gradients(explained, trace, queries, layers, residual_grads, operator_grads)
+                self._gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects)
         finally:
             grad_mode.__exit__(None, None, None)
             trace.detach()
@@ -519,7 +535,7 @@ class Runner:
         return mask, torch.full((batch,), index, dtype=torch.long, device=inputs.device)
 
     @staticmethod
-    def _gradients(explained, trace, queries, layers, residual_grads, operator_grads):
+    def _gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects=False):
         tensors = []
         if residual_grads:
             missing = [i for i in layers if i not in trace.residuals]
@@ -528,6 +544,15 @@ class Runner:
             tensors += [trace.residuals[i] for i in layers]
         calls = (trace.mixer_calls + trace.attention_calls) if operator_grads else []
         tensors += [call.output for call in calls]
+        # gradient × input at each layer's inputs: the mixer input, or an attention call's queries and keys
+        inputs = []
+        if input_effects:
+            inputs = [(call, (call.hidden_states,)) for call in trace.mixer_calls] + \
+                     [(call, (call.query, call.key)) for call in trace.attention_calls]
+            inputs = [(call, pieces) for call, pieces in inputs if all(p.requires_grad for p in pieces)]
+            for call, _ in inputs:
+                call.input_effects = []
+        effect_tensors = [piece for _, pieces in inputs for piece in pieces]
         if any(not t.requires_grad for t in tensors):
             raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
                                "layers (a forward_func that runs the model under torch.no_grad or inference_mode?).")
@@ -539,7 +564,18 @@ class Runner:
                 raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
                                    "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
                                    "return the scores as computed from the model's output.")
-            grads = torch.autograd.grad(picked, tensors, retain_graph=number < len(queries) - 1, allow_unused=True)
+            everything = torch.autograd.grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1,
+                                             allow_unused=True)
+            grads, effect_grads = everything[:len(tensors)], list(everything[len(tensors):])
+            for call, pieces in inputs:
+                effect = 0
+                for piece in pieces:
+                    grad = effect_grads.pop(0)
+                    if grad is not None:
+                        product = (grad * piece).detach()
+                        # (B, L, D) mixer input, or (B, H, L, d) queries / keys: summed to (B, L)
+                        effect = effect + (product.sum(-1) if product.dim() == 3 else product.sum((1, 3)))
+                call.input_effects.append(effect if torch.is_tensor(effect) else None)
             if any(g is None for g in grads):
                 # Every recorded layer lies between the inputs and the scores: a tensor the gradient cannot reach
                 # was computed outside autograd's view (compiled code, a CUDA graph, a detach in forward_func).
