@@ -13,34 +13,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import (conv_attention, gated_deltanet, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma, rwkv, short_conv,
-               vim, zamba)
+from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma,
+               rwkv, short_conv, vim, zamba)
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention)
+                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention, inkling,
+                                                 inkling2)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised and known not to fit any operator: class name -> why (the message
-# names the class and the model type). A class listed here is refused by name, never skipped.
-_WHY_INKLING = (
-    "its short convolutions are token mixers outside the attention probabilities: k_sconv/v_sconv (x + conv(m ⊙ x) "
-    "in float32) on the keys and values, and attn_sconv on the attention output after o_proj and mlp_sconv on the "
-    "MLP output, which act after the heads are mixed by o_proj (conv · W_o · P · conv per channel) or after the "
-    "MLP; no operator of the library describes them, and leaving them out would give a wrong map")
-_WHY_INKLING2 = (
-    "besides the attention, post_attention_convolution and post_mlp_convolution mix tokens after o_proj and after "
-    "the MoE, the full-attention layers' key/value convolutions have taps that depend on the output token "
-    "(Inkling2DynamicShortConvolution), the values are RMS-normalised per token after the conv, and the attention "
-    "takes data-dependent sink logits and relative position logits; no operator of the library describes the "
-    "layer exactly, and leaving a part out would give a wrong map")
-REFUSED: dict[str, str] = {
-    "InklingShortConvolution": _WHY_INKLING,
-    "Inkling2ShortConvolution": _WHY_INKLING2,
-    "Inkling2DynamicShortConvolution": _WHY_INKLING2,
-}
+# names the class and the model type). None at present; a class listed here is refused by name, never skipped.
+REFUSED: dict[str, str] = {}
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 

@@ -1,5 +1,5 @@
 """Softmax attention with a causal band on the values: ZAYA's CCA attention (``ZayaAttention``, model type zaya).
-inkling (inkling_text, inkling_mm_model) and inkling2 (inkling2_text) are refused by name (``families.REFUSED``).
+Inkling's attention, whose values are convolved too, is in :mod:`.inkling` and :mod:`.inkling2`.
 
 ZAYA (transformers 5.23, ``ZayaCCAProjection.forward``): the mixer input h is masked (h ⊙ m), q and k go through
 two causal convolutions, norms and RoPE (all inside the probabilities, which are rebuilt from the query and key
