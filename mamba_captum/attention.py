@@ -14,7 +14,7 @@ from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, ComposedOperator, SumOperator, operator_output_grad
 from .session import session
-from .vision.layout import check_pixels, vision_layout
+from .vision.layout import check_packed, check_pixels, packed_tower, vision_layout
 
 FORMULATIONS = ("unified", "hidden")
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
@@ -235,6 +235,8 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
     args = ()
     if vision_layout(model) is not None:  # an image model: model(pixel_values, ...)
         args = (input_ids,)
+    elif packed_tower(model):  # a vision tower: pixel_values and grid_thw are among the keywords
+        pass
     else:
         if input_ids is not None:
             forward_kwargs["input_ids"] = input_ids
@@ -253,6 +255,11 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     families.locate(model)
     options = [n for n in inspect.signature(implicit_attention).parameters if n != "forward_kwargs"]
     check_keywords(forward_kwargs, underlying_forward(model), options, where)
+    if packed_tower(model):  # packed patches (N, P) and grid_thw: one sequence (B = 1) of the N patches
+        pixels = packed_pixels(input_ids, forward_kwargs)
+        check_packed(model, pixels, forward_kwargs.get("grid_thw"), attention_mask)
+        check_forward_devices(forward_kwargs, pixels.device, model)
+        return 1, pixels.shape[0]
     layout = vision_layout(model)
     if layout is not None:  # pixels (B, C, H, W) in, L = patches + CLS tokens
         batch = check_pixels(model, input_ids, layout, attention_mask)
@@ -265,6 +272,22 @@ def _check_arguments(model, input_ids, attention_mask, forward_kwargs, where) ->
     check_mask(attention_mask, batch, length, source.device)
     check_forward_devices(forward_kwargs, source.device, model)
     return batch, length
+
+
+def packed_pixels(inputs, forward_kwargs: dict):
+    """A packed vision tower's pixel values, given positionally (``inputs``) or as ``pixel_values=``; kept in
+    ``forward_kwargs["pixel_values"]`` for the forward call.
+
+    Raises:
+        ValueError: given both ways, or neither.
+    """
+    if inputs is not None:
+        if forward_kwargs.get("pixel_values") is not None:
+            raise ValueError("mamba_captum: the pixel values are given twice (positionally and as pixel_values=).")
+        forward_kwargs["pixel_values"] = inputs
+    if forward_kwargs.get("pixel_values") is None:
+        raise ValueError("mamba_captum: pass the packed patches, pixel_values= (N, P), with grid_thw= (n_items, 3).")
+    return forward_kwargs["pixel_values"]
 
 
 def _operator_grads(operator, call):
@@ -296,11 +319,17 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
 
     for index in sorted(set(attention_calls) | set(mixer_calls)):
         calls = mixer_calls.get(index, [])
-        if len(attention_calls.get(index, ())) > 1 or len({c.located.name for c in calls}) < len(calls):
+        # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
+        # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
+        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in calls)
+        if (len(attention_calls.get(index, ())) > 1 and not segmented) \
+                or len({c.located.name for c in calls}) < len(calls):
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
         attention = ssm = attention_grads = attention_error = None
+        attentions = []
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+            attentions.append(attention)
             attention_grads = _operator_grads(attention, call)
             dropout = getattr(call.module, "attention_dropout", 0.0)
             if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
@@ -308,8 +337,9 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                     f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
                     f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
                     "recovered. Explain the model in eval() mode.")
-            attention_error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                     token_mask, module=call.module, layer_input=call.value)
+            error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                           token_mask, module=call.module, layer_input=call.value)
+            attention_error = error if attention_error is None else max(attention_error, error)
         parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
         for call in calls:
             located = call.located
@@ -317,14 +347,15 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             if call.attention_mask is None and getattr(located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
             _check_hooked(f"layer {index} ({located.name})", call, dtype)
-            if type(located.module).__name__ in getattr(located.adapter, "CONSUMES_ATTENTION", ()):
-                # softmax attention with more around it (ZAYA's shifted values, Inkling's convolved values): the
-                # adapter explains the whole mixer from the probabilities of its attention call, which is then not
-                # a map of its own
+            if _consumes_attention(located):
+                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments, Inkling's
+                # convolved values): the adapter explains the whole mixer from the probabilities of its attention
+                # calls, which are then not maps of their own
                 if attention is None:
                     raise RuntimeError(f"mamba_captum: layer {index} ({located.name}) called no attention "
                                        "interface that the capture could see; not supported.")
-                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64, attention=attention)
+                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64,
+                                                       attention=attentions if segmented else attention)
                 consumed_error, attention, attention_grads = attention_error, None, None
             else:
                 ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64)
@@ -366,6 +397,13 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             yield key, operator.to(work_dtype), error, _operator_grads(operator, call)
 
 
+def _consumes_attention(located) -> bool:
+    """Whether the mixer's adapter explains it from its attention-interface calls: ``CONSUMES_ATTENTION`` True (the
+    adapter's every class) or the class names that do (an adapter module with an attention and a convolution)."""
+    consumes = getattr(located.adapter, "CONSUMES_ATTENTION", False)
+    return consumes is True or (not isinstance(consumes, bool) and type(located.module).__name__ in consumes)
+
+
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same values (the same storage for recorded forwards; equal values else)."""
     if a.shape != b.shape:
@@ -385,8 +423,8 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
     Returns:
         (operators, output, errors): ``operators`` maps a layer key (decoder-layer index; for Zamba2's shared
         attention block, ``"{i}.shared_attention"``; for Inkling's MLP branch, ``"{i}.mlp_sconv"``) to its operator
-        (:mod:`mamba_captum.operators`), in execution order; ``output`` is the model's output; ``errors`` maps the same keys to the relative error of the layer
-        output rebuilt from the operator.
+        (:mod:`mamba_captum.operators`), in execution order; ``output`` is the model's output; ``errors`` maps the
+        same keys to the relative error of the layer output rebuilt from the operator.
     """
     operators, errors = {}, {}
     model = unwrap_parallel(model)
@@ -411,7 +449,10 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         model: a transformers model with supported token mixers (pure or hybrid), as loaded (any kernel path), or
             a Vision Mamba (:mod:`mamba_captum.vision`).
         input_ids: (B, L) token ids (or pass ``inputs_embeds=`` (B, L, D) in ``forward_kwargs``); for a Vision
-            Mamba, pixel values (B, C, H, W): the maps are over its L patch and CLS tokens, in its own order.
+            Mamba, pixel values (B, C, H, W): the maps are over its L patch and CLS tokens, in its own order; for a
+            packed vision tower (LFM3-VL's ``Lfm3VlVisionModel``), the packed patches (N, P) (or ``pixel_values=``)
+            with ``grid_thw=`` (n_items, 3): the maps are (1, N, N) over the N patches of all items in the tower's
+            merge-block order (:class:`mamba_captum.vision.PackedPatches`), zero across frames and items.
         attention_mask: (B, L), 1 for real tokens; left or right padding.
         formulation: ``"unified"`` (gate · S6 · activation · conv [· norm], Zimerman et al.) or ``"hidden"``
             (the S6 / SSD part alone, Ali et al.).
@@ -444,7 +485,8 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
     model = unwrap_parallel(model)
     _, length = _check_arguments(model, input_ids, attention_mask, forward_kwargs, "implicit_attention")
-    source = input_ids if input_ids is not None else forward_kwargs["inputs_embeds"]
+    source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds",
+                                                                        forward_kwargs.get("pixel_values"))
     selected = _normalise_rows(rows, length, source.device)
     with torch.no_grad(), session(model, families.decoder_layers(model)):
         trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,

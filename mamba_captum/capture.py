@@ -99,7 +99,7 @@ class AttentionCall:
     value: torch.Tensor  # (B, Hkv, L, d)
     attention_mask: torch.Tensor | None
     scaling: float | None
-    options: dict[str, Any]  # sliding_window, softcap, is_causal, position_bias, sinks
+    options: dict[str, Any]  # sliding_window, softcap, is_causal, position_bias, sinks, cu_seq_lens_q / _k (varlen)
     output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
 
@@ -296,7 +296,7 @@ class LayerCapture(contextlib.AbstractContextManager):
             return
         scaling = kwargs.get("scaling", args[0] if args else None)
         options = {k: self._keep(kwargs[k]) for k in ("sliding_window", "softcap", "is_causal", "position_bias",
-                                                      "sinks") if k in kwargs}
+                                                      "sinks", "cu_seq_lens_q", "cu_seq_lens_k") if k in kwargs}
         attn_out = output[0] if isinstance(output, tuple) else output
         self.trace.attention_calls.append(AttentionCall(
             layer, module, self._keep(query), self._keep(key), self._keep(value), self._keep(attention_mask),

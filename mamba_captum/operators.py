@@ -64,29 +64,69 @@ def band_entries(row_weight, col_weight, conv_weight, input_weight=None):
     return bands
 
 
-def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", input_weight=None):
+def causal_neighbours(taps: int, length: int, device=None) -> torch.Tensor:
+    """(K, L) long: the token that tap τ of a causal 1-D conv reads for output token i, ``i − τ``, or −1 before the
+    first token (tap τ weighs ``w[K−1−τ]``)."""
+    index = torch.arange(length, device=device)
+    offsets = torch.arange(taps, device=device)[:, None]
+    shifted = index[None, :] - offsets
+    return shifted.masked_fill(shifted < 0, -1)
+
+
+def sparse_conv(values: torch.Tensor, taps: torch.Tensor, neighbours: torch.Tensor) -> torch.Tensor:
+    """The depthwise conv that :func:`banded_maps` describes with ``neighbours``, applied: ``y[:, i, c] =
+    Σ_τ taps[c, τ] · values[:, neighbours[τ, i], c]`` over the taps that read a token. values (B, L, D), taps
+    (D, T), neighbours (T, L) -> (B, L, D)."""
+    out = torch.zeros_like(values)
+    neighbours = neighbours.to(values.device)
+    for tau in range(neighbours.shape[0]):
+        valid = neighbours[tau] >= 0
+        out[:, valid] += values[:, neighbours[tau][valid]] * taps[:, tau]
+    return out
+
+
+def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", input_weight=None, neighbours=None):
     """Per-channel maps without the S6 part (the "w/o S6" ablation): H_c = diag(row_c · col_c) · M_c · diag(in_c).
 
-    Only the conv band (K diagonals) is non-zero, so reduced maps are reduced band by band, without a per-channel
-    (D, L, L) stack.
+    M_c is a sparse conv of T taps: tap τ of output token i reads token ``neighbours[τ, i]`` with weight
+    ``taps[c, τ]``. Without ``neighbours`` it is the causal 1-D band (T = K diagonals, ``neighbours[τ, i] = i − τ``,
+    ``taps[c, τ] = w[c, K−1−τ]``); with it any conv whose taps read distinct tokens (LFM3-VL's 2-D conv over the
+    patch grid, :meth:`mamba_captum.vision.PackedPatches.neighbours`). Only these T entries per row are non-zero, so
+    reduced maps are reduced tap by tap, without a per-channel (D, L, L) stack.
 
     Args:
-        row_weight, col_weight: (B, L, D).  conv_weight: (D, K), per-row (B, L, D, K), or None (identity); see
-            :func:`band_entries`.  input_weight: (B, L, D) or None: a weight on the conv's input (LFM2's input
-            gate).
+        row_weight, col_weight: (B, L, D).  conv_weight: (D, K), per-row (B, L, D, K) (the output token i has its
+            own taps, Inkling2's dynamic convolution; :func:`band_entries`), or None (identity; ``neighbours`` then
+            ignored).
+        input_weight: (B, L, D) or None: a weight on the conv's input (LFM2's input gate).
+        neighbours: (T, L) long, −1 where a tap reads no token (outside the sequence or the frame), or None. With
+            it, conv_weight is (D, T) in the same tap order (not flipped). For each i the taps' tokens are distinct.
     Returns:
         (B, L, L) reduced or (B, D, L, L) per channel; R rows with ``rows``.
     """
-    bands = band_entries(row_weight, col_weight, conv_weight, input_weight)
-    length = bands.shape[1]
-    if reduce is not None:
-        bands = reduce_channels(bands.permute(0, 2, 1, 3), reduce)[:, None]  # (B, 1, L, K)
+    diag = row_weight * col_weight  # (B, L, D)
+    batch, length, channels = diag.shape
+    if conv_weight is None:
+        taps, neighbours = diag.new_ones(channels, 1), torch.arange(length, device=diag.device)[None]
+    elif neighbours is None:
+        taps = conv_weight.flip(-1)  # taps[c, τ] = w[c, K-1-τ]
+        neighbours = causal_neighbours(min(taps.shape[-1], length), length, diag.device)
     else:
-        bands = bands.permute(0, 2, 1, 3)  # (B, D, L, K)
-    maps = bands.new_zeros(*bands.shape[:2], length, length)
-    index = torch.arange(length, device=bands.device)
-    for tau in range(min(bands.shape[-1], length)):
-        maps[:, :, index[tau:], index[tau:] - tau] = bands[:, :, tau:, tau]
+        taps, neighbours = conv_weight, neighbours.to(diag.device)
+    per_row = taps.dim() == 4  # (B, L, D, T): row i's own taps
+    index = torch.arange(length, device=diag.device)
+    maps = diag.new_zeros(batch, 1 if reduce is not None else channels, length, length)
+    for tau in range(neighbours.shape[0]):
+        valid = neighbours[tau] >= 0
+        out_rows, in_tokens = index[valid], neighbours[tau][valid]
+        weight = taps[:, out_rows, :, tau] if per_row else taps[:, tau]
+        band = diag[:, out_rows] * weight  # (B, n, D): H_c[i, neighbours[τ, i]]
+        if input_weight is not None:
+            band = band * input_weight[:, in_tokens]
+        band = band.transpose(1, 2)  # (B, D, n)
+        if reduce is not None:
+            band = reduce_channels(band[:, :, None], reduce)[:, None, 0]  # (B, 1, n)
+        maps[:, :, out_rows, in_tokens] = band
     if rows is not None:
         maps = maps[:, :, rows]
     return maps if reduce is None else maps[:, 0]
@@ -579,7 +619,8 @@ def gate_norm_rows(components, gate, norm_scale):
 class HeadOperator:
     """One core per head, weighted per channel: H_c = diag(row_c) · α_h · diag(col_c) · M_c for channel c = (h, p)
     (:mod:`kernels.heads`); the per-head cores α_h when every weight is None (C = H). ``core=None`` or ``s6=False``:
-    the core switched off (α = I, the banded "w/o core" ablation; LFM2's short conv is only this band)."""
+    the core switched off (α = I, the banded "w/o core" ablation; LFM2's short conv is only this band, LFM3-VL's
+    vision conv a 2-D band given by ``neighbours``)."""
 
     core: _Core | None
     mask: torch.Tensor | None  # (B, L)
@@ -589,6 +630,7 @@ class HeadOperator:
     col_weight: torch.Tensor | None = None  # (B, L, H, P) activation gain · mask
     conv_weight: torch.Tensor | None = None  # (H, P, K) bias-free causal conv on the values, or (B, L, H, P, K) per-row
     input_weight: torch.Tensor | None = None  # (B, L, H, P) a weight before the conv (LFM2's input gate); band only
+    neighbours: torch.Tensor | None = None  # (T, L) long: the token each of T conv taps reads (banded_maps); band only
     s6: bool = True  # False: the core switched off
     values: torch.Tensor | None = None  # (B, L, H, P) what H acts on
     output: torch.Tensor | None = None  # (B, L, H, P) H x
@@ -630,9 +672,11 @@ class HeadOperator:
             ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
             flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731
             return banded_maps(flat(row), flat(col), None if conv is None else conv.flatten(-3, -2).to(self.out_dtype),
-                               rows, reduce, input_weight=None if inputs is None else flat(inputs))
-        if inputs is not None:
-            raise ValueError("mamba_captum: input_weight (a weight before the conv) is defined for the band only.")
+                               rows, reduce, input_weight=None if inputs is None else flat(inputs),
+                               neighbours=self.neighbours)
+        if inputs is not None or self.neighbours is not None:
+            raise ValueError("mamba_captum: input_weight (a weight before the conv) and neighbours (a conv that is "
+                             "not the causal 1-D band) are defined for the band only.")
         if conv is not None and conv.dim() == 5:
             return self._per_row_conv_maps(core, row, col, conv, rows, reduce)
         return head_maps_blocked(core.rows, batch=batch, length=length, heads=self.heads, row_weight=row,
@@ -668,8 +712,8 @@ class HeadOperator:
     def band(self) -> torch.Tensor:
         """The band's entries ``bands[b, i, c, τ] = H_c[i, i − τ]`` (B, L, C, K) of an operator without a core
         (masked rows and columns 0): what :class:`ComposedOperator` reads of a band that follows another mixer."""
-        if self._active_core is not None:
-            raise ValueError("mamba_captum: band() is defined for an operator without a core.")
+        if self._active_core is not None or self.neighbours is not None:
+            raise ValueError("mamba_captum: band() is defined for a causal 1-D band without a core.")
         batch, length, device = self._shape()
         ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
         flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731

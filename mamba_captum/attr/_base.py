@@ -121,7 +121,8 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Args:
             inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either;
-                for a Vision Mamba, pixel values (B, C, H, W).
+                for a Vision Mamba, pixel values (B, C, H, W); for a packed vision tower (LFM3-VL's), the packed
+                patches (N, P), with ``grid_thw=`` among the keywords.
             target: the explained class: int, a 1-tuple, one per example (list or 1-D tensor), or None (argmax).
                 Class-agnostic methods check it and otherwise ignore it.
             additional_forward_args: a dict of keywords for the model (e.g. ``{"position_ids": ...}``), or a tuple
@@ -143,13 +144,15 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Returns:
             (B, L) for token ids; (B, L, D) for embeddings (each token's relevance repeated over its features);
-            (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); a
-            1-tuple when ``inputs`` was a tuple.
+            (B, 1, H, W) for pixels (the patch relevance interpolated from the patch centres, CLS dropped); (N, P)
+            for packed patches (each patch's relevance repeated over its values); a 1-tuple when ``inputs`` was a
+            tuple.
         """
-        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs)
-        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
+                               self._runner.packed)
 
     def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
                              start_layer=None, reduce="mean", components=None, recipe="product", **kwargs):
@@ -173,7 +176,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         """
         from ..viz import generation_queries, generation_result
 
-        if self._runner.layout is not None:
+        if self._runner.image_model:
             raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "
                             "none: use attribute(pixel_values, target=...).")
         for name in ("position", "attention_mask", "additional_forward_args"):

@@ -19,7 +19,8 @@ from ..checks import (check_finite, check_forward_devices, check_inputs, check_k
                       is_int, single_index, underlying_forward)
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
-from ..vision.layout import check_pixels, refuse_attention_mask, vision_layout
+from ..vision.layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
+                             vision_layout)
 
 
 @dataclass
@@ -112,7 +113,8 @@ class Explained:
 # -- argument handling ---------------------------------------------------------------------------------------------
 def format_inputs(inputs, image_model: bool = False):
     """Captum's input forms -> (tensor, was_tuple). Token ids (B, L) or embeddings (B, L, D) (``inputs_embeds``);
-    pixels (B, C, H, W) for an image model (checked against the model by the runner)."""
+    pixels (B, C, H, W) for an image model, packed patches (N, P) for a vision tower (checked against the model by
+    the runner)."""
     was_tuple = isinstance(inputs, tuple)
     if was_tuple:
         if len(inputs) != 1:
@@ -230,6 +232,7 @@ class Runner:
         """Find the decoder layers and mixers again: a layer replaced since the last call is the one explained."""
         self.decoder_layers, self.mixers = families.locate(self.model)
         self.layout = vision_layout(self.model)  # an image model's tokens (None for token models)
+        self.packed = packed_tower(self.model)  # a vision tower over packed patches (N, P) and grid_thw
         self.causal = not any(getattr(m.adapter, "NONCAUSAL", False) for m in self.mixers)
 
     def close(self):
@@ -237,6 +240,11 @@ class Runner:
         for capture in list(self._active):
             capture._remove()
         self._active.clear()
+
+    @property
+    def image_model(self) -> bool:
+        """Pixels in (an image classifier, or a tower over packed patches), not tokens."""
+        return self.layout is not None or self.packed
 
     @property
     def is_classifier(self) -> bool:
@@ -257,7 +265,7 @@ class Runner:
                 else (additional_forward_args,)
             extra = {}
             if self.forward_func is None and args:
-                if inputs.is_floating_point() and self.layout is None:
+                if inputs.is_floating_point() and not self.image_model:
                     raise TypeError("mamba_captum: with inputs_embeds, pass additional_forward_args as a dict of "
                                     "keywords.")
                 signature = inspect.signature(underlying_forward(self.model))
@@ -284,7 +292,9 @@ class Runner:
         if self.forward_func is not None:
             check_keywords(kwargs, self.forward_func, options, where)
             return args, kwargs, attention_mask
-        if self.layout is not None:  # an image model: model(pixel_values, **kwargs)
+        if self.image_model:  # an image model: model(pixel_values, **kwargs)
+            if self.packed and "pixel_values" in kwargs:
+                raise ValueError("mamba_captum: pass the explained patches as the inputs, not as pixel_values=.")
             check_keywords(kwargs, underlying_forward(self.model), options, where)
             return args, kwargs, attention_mask
         for name in ("input_ids", "inputs_embeds"):
@@ -305,13 +315,15 @@ class Runner:
             kwargs = {**kwargs, "attention_mask": attention_mask}
         if self.forward_func is not None:
             return self.forward_func(inputs, *args, **kwargs)
-        if inputs.is_floating_point() and self.layout is None:
+        if inputs.is_floating_point() and not self.image_model:
             return self.model(inputs_embeds=inputs, **kwargs)
         return self.model(inputs, **kwargs)
 
     def _scores(self, output, inputs, positions, mask, attention_mask):
         """The (B, K) explained scores and the query positions (B,) they come from."""
-        batch, length = inputs.shape[0], mask.shape[1]
+        batch, length = mask.shape
+        if self.packed and self.forward_func is None:  # a vision tower returns hidden states, no scores
+            return None, positions
         if self.layout is not None and self.forward_func is None:  # an image classifier returns its logits
             output = getattr(output, "logits", output)
         if self.forward_func is not None or self.layout is not None:
@@ -370,7 +382,10 @@ class Runner:
                                "forward pass).")
         args, kwargs, attention_mask = self._arguments(inputs, attention_mask, additional_forward_args,
                                                        forward_kwargs, options, where)
-        if self.layout is not None:
+        packed = None
+        if self.packed:
+            mask, positions, packed = self._packed_query(inputs, kwargs, attention_mask, position)
+        elif self.layout is not None:
             mask, positions = self._image_query(inputs, attention_mask, position)
         else:
             if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
@@ -407,6 +422,11 @@ class Runner:
         try:
             if queries is None:
                 scores, positions = self._scores(output, inputs, positions, mask, attention_mask)
+                if scores is None and (need_grad or need_scores) and self.packed:
+                    raise TypeError(
+                        f"mamba_captum: {type(self.model).__name__} returns hidden states, no scores to explain; pass "
+                        "forward_func=(pixel_values, grid_thw=...) -> (1, K) scores of the packed items (one example: "
+                        "e.g. a head on the mean of last_hidden_state), or use MambaRawAttention / MambaRollout.")
                 if scores is None and (need_grad or need_scores):
                     raise TypeError(
                         f"mamba_captum: {type(self.model).__name__} returns no logits; pass forward_func= returning "
@@ -421,6 +441,8 @@ class Runner:
                              "output logits)", self.model)
             weights = None if self.layout is None or not self.layout.pooled else \
                 self.layout.query_weights(explained.batch, device=mask.device)
+            if packed is not None:  # each item's mean output: per item, what the item alone would get
+                weights = packed.query_weights(device=mask.device)
             explained.queries = [Query(pos, tgt, weights, self.causal) for pos, _, tgt in queries]
             explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
             if need_grad:
@@ -441,7 +463,8 @@ class Runner:
         """
         batch, length = mask.shape
         for call in trace.mixer_calls:
-            seen = tuple(call.hidden_states.shape[:2])
+            hidden = call.hidden_states
+            seen = (1, hidden.shape[0]) if hidden.dim() == 2 else tuple(hidden.shape[:2])  # packed: one sequence
             if seen != (batch, length):
                 raise ValueError(
                     f"mamba_captum: the token mixers saw {seen[0]} sequences of {seen[1]} tokens, but the explained "
@@ -455,6 +478,26 @@ class Runner:
                     "mamba_captum: the forward_func handed the model other token ids than the explained inputs "
                     "(reordered or changed examples or tokens): the relevance would not line up with the inputs. "
                     "Pass the inputs to the model as they are.")
+
+    def _packed_query(self, inputs, kwargs, attention_mask, position):
+        """A packed vision tower's (mask, positions, PackedPatches): one sequence of the N patches, all real; the
+        query is pooled (each item's mean row)."""
+        grid = kwargs.get("grid_thw")
+        if self.forward_func is None:
+            layout = check_packed(self.model, inputs, grid, attention_mask)
+        else:
+            if grid is None or inputs.dim() != 2:
+                raise ValueError("mamba_captum: a packed vision tower's forward_func takes the packed patches (N, P) "
+                                 "as inputs and grid_thw= among the keywords (or additional_forward_args).")
+            layout = PackedPatches.from_grid(grid, self.model.spatial_merge_size)
+            if layout.length != inputs.shape[0]:
+                raise ValueError(f"mamba_captum: grid_thw holds {layout.length} patches, the inputs {inputs.shape[0]}.")
+            refuse_attention_mask(attention_mask)
+        if position is not None:
+            raise ValueError("mamba_captum: position= does not apply to a vision tower; the query is the mean of each "
+                             "item's output tokens.")
+        mask = torch.ones(1, layout.length, device=inputs.device)
+        return mask, torch.zeros(1, dtype=torch.long, device=inputs.device), layout
 
     def _image_query(self, inputs, attention_mask, position):
         """An image model's (mask, positions): all tokens real; the query is its CLS token (a pooled head's
@@ -509,6 +552,7 @@ class Runner:
                 check_finite(grad, "the gradients of the explained scores", explained.model)
             if residual_grads:
                 for i, grad in zip(layers, grads[:len(layers)]):
+                    grad = grad[None] if grad.dim() == 2 else grad  # a packed (N, D) stream is one sequence
                     explained.residual_grads.setdefault(i, []).append(grad.detach())
                 grads = grads[len(layers):]
             for call, grad in zip(calls, grads):
@@ -520,9 +564,13 @@ def check_reduce(reduce):
         raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
 
 
-def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool, layout=None):
+def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool, layout=None, packed=False):
     """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings;
-    for an image model (``layout``), pixel relevance (B, 1, H, W) as Captum's upsampled layer attributions."""
+    for an image model (``layout``), pixel relevance (B, 1, H, W) as Captum's upsampled layer attributions; for
+    packed patches (N, P) (``packed``), each patch's relevance repeated over its P values."""
+    if packed:
+        out = relevance[0, :, None].expand(*inputs.shape).to(inputs.dtype).contiguous()
+        return (out,) if was_tuple else out
     if layout is not None:
         relevance = layout.to_pixels(relevance.to(inputs.dtype if inputs.is_floating_point() else torch.float32))
         return (relevance,) if was_tuple else relevance

@@ -78,11 +78,12 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
 
         The defaults are the best measured on the trained planted-answer models of docs/faithfulness.md.
         ``target=None`` explains the argmax class / token of each example. Returns (B, L) as the inputs."""
-        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                      formulation, start_layer, reduce, components, recipe, forward_kwargs,
                                      gradient_rule=gradient_rule, sign=sign, normalise=normalise)
-        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
+        return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
+                               self._runner.packed)
 
     def _relevance(self, explained, options):
         if options["recipe"] == "official":

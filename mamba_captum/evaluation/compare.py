@@ -27,7 +27,10 @@ ALL_COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 # The parts of the unified operator each family has (the others are absent, so switching them off changes nothing).
 FAMILY_COMPONENTS = {"mamba": ("gate", "act", "conv"), "mamba2": ("gate", "act", "conv", "norm"),
                      "bamba": ("gate", "act", "conv", "norm"), "jamba": ("gate", "act", "conv"), "rwkv": ("gate",),
-                     "recurrent_gemma": ("gate", "conv")}
+                     "recurrent_gemma": ("gate", "conv"), "qwen3_next": ("gate", "act", "conv", "norm"),
+                     "lfm2": ("gate", "act", "conv"), "xlstm": ("gate", "norm")}
+# Families whose operator has no core for "s6" to switch (LFM2's short conv: the band is the conv itself).
+CORELESS = ("lfm2",)
 ABLATIONS = {"w/o act": ("act",), "w/o gate": ("gate",), "w/o conv": ("conv",), "w/o S6": ("s6",),
              "only S6": ("gate", "act", "conv", "norm")}
 
@@ -67,9 +70,11 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
                                         sign="positive", normalise="none")))
         methods.append(Method(f"Attribution ({formulation}, official recipe)", "ours",
                               _ours(MambaAttribution, formulation=formulation, recipe="official")))
-    present = set(FAMILY_COMPONENTS[family]) | {"s6"}
+    present = set(FAMILY_COMPONENTS[family]) | (set() if family in CORELESS else {"s6"})
     for label, removed in ABLATIONS.items():
-        if set(removed) & present:  # an ablation of a part the family lacks would repeat the full operator
+        # an ablation of a part the family lacks would repeat the full operator; one that keeps none of the
+        # family's parts (LFM2's "only S6") would leave no operator
+        if set(removed) & present and present - set(removed):
             kept = tuple(name for name in ALL_COMPONENTS if name not in removed)
             methods.append(Method(f"Attribution (unified, {ablation_rule}, {label})", "ablation",
                                   _ours(MambaAttribution, formulation="unified", gradient_rule=ablation_rule,

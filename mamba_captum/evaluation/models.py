@@ -19,16 +19,31 @@ import transformers as tf
 from ..fast_scans import fast_scans
 from .tasks import ClassificationTask, _long_range, _negation, bbc_news, make_task
 
-FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba")
+FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm")
 # Bamba also has a tiny config (tiny_config("bamba", ...)) but never left chance on needle: see docs/faithfulness.md.
 WEIGHTS = "weights"
 CURRICULUM_STEPS = 200
+# Families trained on negation without the marker-only curriculum: the tiny Qwen3-Next learned the markers in it,
+# collapsed to chance when the modifier arrived and stayed there for 1,300 steps; from the start it learns in 100.
+NO_NEGATION_CURRICULUM = ("qwen3_next",)
+# Learning rates other than the default 3e-3, per (family, task). The tiny Qwen3-Next stayed at chance on real_words
+# for 1,500 steps at 3e-3 (loss ln 2 from step 300 on); at 1e-3 it learns in 700 steps (seed 0).
+LEARNING_RATES = {("qwen3_next", "real_words"): 1e-3}
+# HF initializer_range other than the config's default, per (family, task). LFM2's short-conv output is a product of
+# five weight matrices (in_proj's B, C and x, the conv taps, out_proj): at HF's 0.02 it is 5e-6 of its input at init
+# (0.017 at 0.1), the modifier's effect at the marker has no gradient to speak of, and the tiny LFM2 stayed at chance
+# on negation for 1,500 steps (seeds 0 and 1, lr 3e-3 and 1e-3, with and without the curriculum); at 0.1 it learns
+# in 300 steps with the curriculum (exploratory runs without it: 100-150 steps at seeds 0 and 1).
+INIT_RANGES = {("lfm2", "negation"): 0.1}
 LONG_RANGE_STAGES = (64, 128, 192, 256)
 
 
 def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfig:
     """The config of the tiny classifier of ``family`` (width 32, two token-mixing layers of the family; Bamba adds
-    one attention layer between them; RecurrentGemma uses RG-LRU blocks only so its recurrence is explained)."""
+    one attention layer between them; RecurrentGemma uses RG-LRU blocks only so its recurrence is explained;
+    Qwen3-Next uses gated delta-net layers only, with dense MLPs; LFM2 puts one attention layer between its two
+    short-conv layers, whose 3-token band cannot carry the answer to the query on its own; xLSTM has two mLSTM blocks,
+    2 heads, FFNs of width 64 like the others' MLPs)."""
     common = dict(vocab_size=vocab_size, hidden_size=32, pad_token_id=0, bos_token_id=2, eos_token_id=2,
                   tie_word_embeddings=family != "rwkv")
     if family == "mamba":
@@ -53,26 +68,45 @@ def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfi
         return tf.BambaConfig(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                               mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
                               num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, **common)
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(num_hidden_layers=2, layer_types=["linear_attention", "linear_attention"],
+                                  num_experts=0, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                                  head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, **common)
+    if family == "lfm2":
+        return tf.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=64,
+                             num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                             block_auto_adjust_ff_dim=False, **common)
+    if family == "xlstm":
+        # use_cache=False: HF's xLSTMCache rounds the head sizes up to 64 and fails on a 32-wide model. The mLSTM
+        # ignores attention_mask; the tasks have no padding. HF's xLSTMForCausalLM keeps its own lm_head (no tying).
+        return tf.xLSTMConfig(num_hidden_layers=2, num_heads=2, chunk_size=16, ffn_proj_factor=2.0,
+                              ffn_round_up_to_multiple_of=16, use_cache=False, **{**common, "tie_word_embeddings": False})
     raise ValueError(f"mamba_captum: unknown family {family!r}; choose one of {FAMILIES}.")
 
 
-def _mamba2_time_steps(model, generator, low=1e-3, high=1e-1):
-    """Mamba-2's reference init of ``dt_bias`` (Δ log-uniform in [1e-3, 0.1]) for Bamba's mixers, whose HF init sets
-    ``dt_bias = 1`` (Δ ≈ 1.3: a memory of about one token, and the tiny model never learns the tasks)."""
+def _mamba2_time_steps(model, generator, low=1e-3, high=1e-1, mixers=("BambaMixer",)):
+    """Mamba-2's reference init of ``dt_bias`` (Δ log-uniform in [1e-3, 0.1]) for Bamba's mixers and gated delta-net
+    layers (also the reference init of flash-linear-attention's GatedDeltaNet), whose HF init sets ``dt_bias = 1``
+    (Δ ≈ 1.3, with A up to 16: a memory of about one token, and the tiny model never learns the tasks; the tiny
+    Qwen3-Next stayed at chance on needle for 500 steps)."""
     with torch.no_grad():
         for module in model.modules():
-            if type(module).__name__ == "BambaMixer":
+            if type(module).__name__ in mixers:
                 dt = torch.exp(torch.rand(module.dt_bias.shape, generator=generator) * (math.log(high) - math.log(low))
                                + math.log(low)).clamp(min=1e-4)
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
 
-def new_classifier(family: str, vocab_size: int, length: int, seed: int = 0):
-    """A freshly initialised tiny classifier (seeded)."""
+def new_classifier(family: str, vocab_size: int, length: int, seed: int = 0, task: str | None = None):
+    """A freshly initialised tiny classifier (seeded); ``task`` picks its :data:`INIT_RANGES` entry."""
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_config(family, vocab_size, length))
-    if family == "bamba":
-        _mamba2_time_steps(model, torch.Generator().manual_seed(seed))
+    config = tiny_config(family, vocab_size, length)
+    if (family, task) in INIT_RANGES:
+        config.initializer_range = INIT_RANGES[family, task]
+    model = tf.AutoModelForCausalLM.from_config(config)
+    if family in ("bamba", "qwen3_next"):
+        _mamba2_time_steps(model, torch.Generator().manual_seed(seed), mixers=("BambaMixer", "Qwen3NextGatedDeltaNet"))
     return model
 
 
@@ -102,7 +136,7 @@ def accuracy(model, task: ClassificationTask, batch_size: int = 128) -> float:
     return hits / len(task.labels)
 
 
-def _batches(task_name, seed, batch, bbc_train=None, stage_length=None):
+def _batches(task_name, seed, batch, bbc_train=None, stage_length=None, curriculum_steps=CURRICULUM_STEPS):
     generator = torch.Generator().manual_seed(seed)
     step = 0
     while True:
@@ -111,7 +145,7 @@ def _batches(task_name, seed, batch, bbc_train=None, stage_length=None):
             # until it is learned; at 256 tokens from the start, or with fixed 200-step stages, the tiny Mamba and
             # Griffin models stayed at chance for 2,000 steps
             yield _long_range(batch, stage_length(), torch.Generator().manual_seed(seed * 100_003 + step))
-        elif task_name == "negation" and step < CURRICULUM_STEPS:
+        elif task_name == "negation" and step < curriculum_steps:
             # a curriculum: markers without the modifier first; Griffin and Jamba stayed at chance on the XOR of
             # marker and modifier for 3,000 steps without it
             yield _negation(batch, 48, torch.Generator().manual_seed(seed * 100_003 + step), modifiers=False)
@@ -123,12 +157,13 @@ def _batches(task_name, seed, batch, bbc_train=None, stage_length=None):
 
 
 def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int = 1500, batch: int = 64,
-                     lr: float = 3e-3, held_out: int = 512, target_accuracy: float = 0.99, log=None):
+                     lr: float | None = None, held_out: int = 512, target_accuracy: float = 0.99, log=None):
     """Train the tiny ``family`` classifier on ``task_name`` (a planted task or ``"bbc_news"``) from ``seed``.
 
     Training data are fresh examples every step (seeded); every 50 steps the model is checked on a validation
     batch and training stops once it reaches ``target_accuracy``. Returns ``(model in eval mode, record)``,
     the record holding steps, training seconds and the accuracy on ``held_out`` examples of a seed never trained on.
+    ``lr=None``: the family's :data:`LEARNING_RATES` entry for the task, else 3e-3.
     """
     bbc_train = bbc_test = None
     if task_name == "bbc_news":
@@ -137,7 +172,8 @@ def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int 
     else:
         sample = make_task(task_name, 1, 0)
         vocab, length = sample.vocab, sample.length
-    model = new_classifier(family, len(vocab), length, seed)
+    model = new_classifier(family, len(vocab), length, seed, task=task_name)
+    lr = LEARNING_RATES.get((family, task_name), 3e-3) if lr is None else lr
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     validation = bbc_test if bbc_train is not None else make_task(task_name, 256, seed=10_000 + seed)
     stage = [0]  # long_range: the curriculum's stage, advanced when the model has learned it
@@ -146,7 +182,8 @@ def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int 
     start, steps = time.perf_counter(), 0
     # fast_scans: Mamba-1 / Jamba train on the blocked torch scan (same math as HF's per-token loop, ~10x faster).
     with one_thread(), fast_scans(model):
-        batches = _batches(task_name, seed, batch, bbc_train, lambda: LONG_RANGE_STAGES[stage[0]])
+        batches = _batches(task_name, seed, batch, bbc_train, lambda: LONG_RANGE_STAGES[stage[0]],
+                           0 if family in NO_NEGATION_CURRICULUM else CURRICULUM_STEPS)
         for steps, examples in enumerate(batches, start=1):
             model.train()
             logits = model(examples.input_ids, use_cache=False).logits[:, -1]

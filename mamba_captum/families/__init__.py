@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, recurrent_gemma,
-               rwkv, short_conv, vim, zamba)
+from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, packed_attention,
+               recurrent_gemma, rwkv, short_conv, vim, vision_short_conv, zamba)
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention, inkling,
-                                                 inkling2)
+                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention,
+                                                 vision_short_conv, packed_attention, inkling, inkling2)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix

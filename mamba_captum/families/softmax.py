@@ -4,7 +4,9 @@ The probabilities are rebuilt from what the layer handed to HF's attention inter
 projections, norms and RoPE; the mask; the scaling), so they are the same whatever ``attn_implementation`` the
 model was loaded with (eager, sdpa, flash): ``P = softmax(q kᵀ · scaling + mask)`` per head, key/value heads repeated
 for grouped-query attention; with an additive ``position_bias`` handed to the interface (inkling's relative logits)
-and ``sinks`` (inkling2: one more logit per head and query whose value is zero, dropped after the softmax). ``P v`` is checked against the interface's real output.
+and ``sinks`` (inkling2: one more logit per head and query whose value is zero, dropped after the softmax);
+flash's varlen ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (packed sequences, e.g. LFM3-VL's vision frames) keep each
+query within its own segment. ``P v`` is checked against the interface's real output.
 """
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ def _dense_block_mask(block_mask, batch: int, q_len: int, k_len: int, device) ->
     from torch.nn.attention.flex_attention import create_mask
 
     return create_mask(block_mask.mask_mod, batch, 1, q_len, k_len, device=device)
+
+
+def _segment_ids(cu_seqlens, length: int, device) -> torch.Tensor:
+    """(length,) the packed segment of each token from cumulative lengths (0, n_1, n_1 + n_2, ...)."""
+    bounds = torch.as_tensor(cu_seqlens, device=device).long()
+    return torch.bucketize(torch.arange(length, device=device), bounds[1:], right=True)
 
 
 def _additive_mask(call, q_len: int, k_len: int, dtype, device):
@@ -37,6 +45,9 @@ def _additive_mask(call, q_len: int, k_len: int, dtype, device):
     window = call.options.get("sliding_window")
     if window:
         keep = keep & torch.triu(torch.ones_like(keep), diagonal=k_len - q_len - window + 1)
+    segments_q, segments_k = call.options.get("cu_seq_lens_q"), call.options.get("cu_seq_lens_k")
+    if segments_q is not None and segments_k is not None:  # flash varlen: packed sequences attend within themselves
+        keep = keep & (_segment_ids(segments_q, q_len, device)[:, None] == _segment_ids(segments_k, k_len, device))
     keep = keep[None, None]
     if mask is not None and mask.dim() == 2:
         keep = keep & mask[:, None, None, :k_len].bool()

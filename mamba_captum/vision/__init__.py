@@ -4,13 +4,14 @@
 and parameter names; ``load_vim(path_or_state_dict)`` loads an official checkpoint (detecting the variant). The
 library's entry points take the model as they take a transformers model: ``mc.implicit_attention(vim, pixels)``
 gives (B, L, L) maps over the tokens in the model's order (CLS included), and the Captum classes take pixels
-(B, 3, H, W) and return pixel attributions (B, 1, H, W). See docs/vision.md.
+(B, 3, H, W) and return pixel attributions (B, 1, H, W). See docs/vision.md; vision towers over packed patches
+(LFM3-VL's) are described by :class:`PackedPatches`.
 """
 from .checkpoints import VARIANTS, detect_config, load_vim, read_checkpoint, vim_base, vim_small, vim_tiny
 from .images import IMAGENET_MEAN, IMAGENET_STD, load_image, preprocess, to_display
-from .layout import TokenLayout, vision_layout
+from .layout import PackedPatches, TokenLayout, packed_tower, vision_layout
 from .vim import RMSNorm, VimMixer, VisionMamba
 
-__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "RMSNorm", "TokenLayout", "VimMixer", "VisionMamba",
-           "detect_config", "load_image", "load_vim", "preprocess", "read_checkpoint", "to_display", "vim_base",
-           "vim_small", "vim_tiny", "vision_layout"]
+__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "PackedPatches", "RMSNorm", "TokenLayout", "VimMixer",
+           "VisionMamba", "detect_config", "load_image", "load_vim", "packed_tower", "preprocess", "read_checkpoint",
+           "to_display", "vim_base", "vim_small", "vim_tiny", "vision_layout"]

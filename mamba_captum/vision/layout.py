@@ -132,3 +132,164 @@ def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout, attention_
         raise TypeError(f"mamba_captum: the pixel values are {pixel_values.dtype}, the model {dtype}; pass "
                         f"pixel_values.to({dtype}).")
     return batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed patch sequences: vision towers that take pixel_values (N, P) and grid_thw (n, 3) (LFM3-VL)
+
+
+@dataclass(frozen=True)
+class PackedPatches:
+    """The token sequence of a vision tower that takes packed patches, ``pixel_values`` (N, P) and ``grid_thw``
+    (n_items, 3) (LFM3-VL's ``Lfm3VlVisionModel``): the items (images or videos) one after another, each item's
+    frames one after another, each frame's ``height × width`` patches in **merge-block order**: the
+    ``merge × merge`` blocks of the grid row-major, and inside a block its patches row-major. Patch ``(row, col)``
+    of frame ``f`` of an item is token ``start + f·h·w + ((row // m)·(w // m) + col // m)·m² + (row % m)·m + col % m``
+    (m = ``merge``, the tower's ``spatial_merge_size``), the order transformers' ``get_vision_position_ids`` and the
+    processor give.
+
+    Attributes:
+        grid_thw: per item (frames, height, width) in patches.  merge: the spatial merge size m.
+    """
+
+    grid_thw: tuple[tuple[int, int, int], ...]
+    merge: int
+
+    @classmethod
+    def from_grid(cls, grid_thw, merge: int) -> "PackedPatches":
+        rows = grid_thw.tolist() if torch.is_tensor(grid_thw) else [list(r) for r in grid_thw]
+        return cls(tuple(tuple(int(v) for v in row) for row in rows), int(merge))
+
+    @property
+    def item_lengths(self) -> list[int]:
+        return [t * h * w for t, h, w in self.grid_thw]
+
+    @property
+    def length(self) -> int:
+        """N: the packed sequence's tokens."""
+        return sum(self.item_lengths)
+
+    def item_slices(self) -> list[slice]:
+        """Each item's tokens in the packed sequence."""
+        out, start = [], 0
+        for n in self.item_lengths:
+            out.append(slice(start, start + n))
+            start += n
+        return out
+
+    def raster_tokens(self, item: int) -> torch.Tensor:
+        """(T, H, W) long: the packed index of each patch of item ``item``, frames and grid in raster order."""
+        t, h, w = self.grid_thw[item]
+        m = self.merge
+        start = self.item_slices()[item].start
+        row = torch.arange(h)[:, None]
+        col = torch.arange(w)[None, :]
+        within = ((row // m) * (w // m) + col // m) * m * m + (row % m) * m + col % m  # (H, W)
+        return start + torch.arange(t)[:, None, None] * (h * w) + within[None]
+
+    def frames(self) -> torch.Tensor:
+        """(N,) long: the frame each token belongs to, numbered over the whole packed sequence (the attention
+        segments of ``cu_seqlens``; the conv does not cross them either)."""
+        sizes = [h * w for t, h, w in self.grid_thw for _ in range(t)]
+        return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long))
+
+    def neighbours(self, kernel, device=None) -> torch.Tensor:
+        """(kh·kw, N) long: for each tap (a, b) of a ``kernel = (kh, kw)`` 2-D conv with 'same' zero padding
+        (``padding = k // 2``, stride and dilation 1), row-major over (a, b) like ``Conv2d.weight[c, 0]``, the
+        packed index of the patch that the tap reads for each output token: ``(row + a − kh//2, col + b − kw//2)``
+        of the same frame, or −1 outside the frame (never another frame or item)."""
+        kh, kw = (kernel, kernel) if isinstance(kernel, int) else tuple(kernel)
+        out = torch.full((kh * kw, self.length), -1, dtype=torch.long)
+        for item in range(len(self.grid_thw)):
+            grid = self.raster_tokens(item)  # (T, H, W)
+            _, h, w = grid.shape
+            padded = torch.nn.functional.pad(grid, (kw // 2, kw // 2, kh // 2, kh // 2), value=-1)
+            for a in range(kh):
+                for b in range(kw):
+                    out[a * kw + b, grid.flatten()] = padded[:, a:a + h, b:b + w].flatten()
+        return out.to(device)
+
+    def query_weights(self, dtype=torch.float32, device=None) -> torch.Tensor:
+        """(1, N): a pooled query that reads the mean of each item's tokens (1 / n_item on them), so that each
+        item's relevance is what the item alone would get."""
+        weights = torch.zeros(1, self.length, dtype=dtype, device=device)
+        for part in self.item_slices():
+            weights[:, part] = 1.0 / (part.stop - part.start)
+        return weights
+
+    def to_grids(self, relevance: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token values (N,) or (1, N) -> per item a (T, H, W) tensor, frames and patch grid in raster order
+        (for the Captum classes' (N, P) attributions pass ``attributions[:, 0]``)."""
+        values = relevance.reshape(-1)
+        if values.numel() != self.length:
+            raise ValueError(f"mamba_captum: {values.numel()} values for {self.length} packed patches.")
+        return [values[self.raster_tokens(item).to(values.device)] for item in range(len(self.grid_thw))]
+
+
+def packed_tower(model: nn.Module) -> bool:
+    """Whether the model is a vision tower over packed patches: its forward takes ``pixel_values`` and ``grid_thw``
+    and it has a ``spatial_merge_size`` (LFM3-VL's ``Lfm3VlVisionModel``)."""
+    import inspect
+
+    from ..checks import underlying_forward
+
+    if getattr(model, "spatial_merge_size", None) is None:
+        return False
+    try:
+        parameters = inspect.signature(underlying_forward(model)).parameters
+    except (TypeError, ValueError):
+        return False
+    return "pixel_values" in parameters and "grid_thw" in parameters
+
+
+def check_packed(model: nn.Module, pixel_values, grid_thw, attention_mask=None) -> PackedPatches:
+    """Packed patches (N, P) of the model's patch width, dtype and device, and a ``grid_thw`` (n, 3) of positive
+    integers whose frames hold N patches and whose heights and widths the merge size divides; no attention mask.
+
+    Raises:
+        TypeError / ValueError naming the problem and the fix.
+    """
+    from ..checks import input_device
+
+    if attention_mask is not None:
+        raise ValueError("mamba_captum: a packed vision tower takes no attention_mask: its items are separated by "
+                         "grid_thw.")
+    if grid_thw is None:
+        raise ValueError("mamba_captum: this vision tower takes packed patches: pass grid_thw= (n_items, 3), the "
+                         "(frames, height, width) of each item's patch grid, with pixel_values (N, P).")
+    if not torch.is_tensor(pixel_values) or not pixel_values.is_floating_point():
+        raise TypeError("mamba_captum: the vision tower takes pixel_values, a floating-point tensor (N, P) of packed "
+                        "patches (what the model's image processor returns); got "
+                        f"{type(pixel_values).__name__ if not torch.is_tensor(pixel_values) else pixel_values.dtype}.")
+    if pixel_values.dim() != 2:
+        raise ValueError(f"mamba_captum: packed pixel_values must be (N, P), one row per patch; got shape "
+                         f"{tuple(pixel_values.shape)}.")
+    if not torch.is_tensor(grid_thw):  # transformers reads grid_thw.device and grid_thw.tolist()
+        raise TypeError(f"mamba_captum: grid_thw must be a tensor (n_items, 3), as the processor returns it; got "
+                        f"{type(grid_thw).__name__}: pass torch.tensor(grid_thw).")
+    grid = grid_thw
+    if grid.dtype.is_floating_point or grid.dtype == torch.bool or grid.dim() != 2 or grid.shape[-1] != 3 \
+            or grid.shape[0] == 0 or bool((grid <= 0).any()):
+        raise ValueError(f"mamba_captum: grid_thw must be (n_items, 3) positive integers (frames, height, width); "
+                         f"got {grid.tolist() if grid.numel() <= 12 else tuple(grid.shape)}.")
+    merge = int(model.spatial_merge_size)
+    if bool(((grid[:, 1:] % merge) != 0).any()):
+        raise ValueError(f"mamba_captum: grid_thw={grid.tolist()}: heights and widths must be multiples of the "
+                         f"tower's spatial_merge_size {merge}.")
+    layout = PackedPatches.from_grid(grid, merge)
+    if pixel_values.shape[0] != layout.length:
+        raise ValueError(f"mamba_captum: grid_thw={grid.tolist()} holds {layout.length} patches, pixel_values "
+                         f"{pixel_values.shape[0]}.")
+    width = getattr(getattr(model, "patch_embed", None), "in_features", None)
+    if width is not None and pixel_values.shape[1] != width:
+        raise ValueError(f"mamba_captum: the patches have {pixel_values.shape[1]} values, the tower's patch embedding "
+                         f"takes {width}.")
+    device = input_device(model)
+    if pixel_values.device != device:
+        raise ValueError(f"mamba_captum: the pixel values are on {pixel_values.device}, the model on {device}; move "
+                         f"them with pixel_values.to({str(device)!r}).")
+    dtype = model_dtype(model)
+    if pixel_values.dtype != dtype:
+        raise TypeError(f"mamba_captum: the pixel values are {pixel_values.dtype}, the model {dtype}; pass "
+                        f"pixel_values.to({dtype}).")
+    return layout
