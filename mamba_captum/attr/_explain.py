@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import families
-from ..attention import FORMULATIONS, _operators, check_recorded
+from ..attention import FORMULATIONS, SharedAttentionKey, _operators, check_recorded
 from ..capture import LayerCapture
 from ..checks import (check_finite, check_forward_devices, check_inputs, check_keywords, check_mask, index_list,
                       is_int, single_index, underlying_forward)
@@ -114,13 +114,18 @@ class Explained:
     def _input_effects(self, key, layer):
         """Per query, the (B, L) gradient × input of the record's layer at its inputs, or None (not asked for).
 
-        A layer with a mixer: the mixer input (it feeds everything the mixer does, including an attention call the
-        mixer consumes and FalconH1's parallel attention, which reads the same tensor); an attention layer of its
-        own (or Zamba2's shared block): its queries and keys (the values' part is the operator's own)."""
-        mixers = [c for c in self.trace.mixer_calls if c.located.layer == layer]
-        calls = mixers if (isinstance(key, int) and mixers) else \
-            [c for c in self.trace.attention_calls if c.layer == layer]
-        effects = [getattr(c, "input_effects", None) for c in calls]
+        A mixer's record: its input (the first mixer's, for mixers composed without a residual between them; the
+        input feeds everything the mixer does, including an attention call the mixer consumes and FalconH1's
+        parallel attention, which reads the same tensor); an attention layer of its own (or Zamba2's shared block):
+        its queries and keys (the values' part is the operator's own)."""
+        mixers = [c for c in self.trace.mixer_calls if c.located.layer == layer and c.located.follows is None]
+        if isinstance(key, str) and not isinstance(key, SharedAttentionKey):  # LayerPartKey: "{layer}.{part}"
+            calls = [c for c in mixers if c.located.name == str(key)]
+        elif isinstance(key, int) and mixers:
+            calls = mixers[:1]
+        else:
+            calls = [c for c in self.trace.attention_calls if c.layer == layer]
+        effects = [c.input_effects for c in calls]
         if not calls or any(e is None for e in effects):
             return None
         return [sum(per_call[q] for per_call in effects) for q in range(len(effects[0]))]

@@ -18,7 +18,8 @@ from typing import Callable
 import torch
 from captum.attr import FeatureAblation, InputXGradient, LayerIntegratedGradients, Saliency
 
-from .. import MambaAttribution, MambaRawAttention, MambaRollout, fast_scans
+from .. import MambaAttribution, MambaRawAttention, MambaRollout, MambaSelectionAttribution, fast_scans
+from ..attr import SPREADS
 from . import metrics
 from .models import FAMILIES, class_logits, load_classifier
 from .tasks import QUERY, TASKS, UNK, ClassificationTask, bbc_news, make_task
@@ -70,6 +71,10 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
                                         sign="positive", normalise="none")))
         methods.append(Method(f"Attribution ({formulation}, official recipe)", "ours",
                               _ours(MambaAttribution, formulation=formulation, recipe="official")))
+        if formulation == "unified":
+            for spread in SPREADS:
+                methods.append(Method(f"Selection attribution ({formulation}, {spread})", "ours",
+                                      _ours(MambaSelectionAttribution, formulation=formulation, spread=spread)))
     present = set(FAMILY_COMPONENTS[family]) | (set() if family in CORELESS else {"s6"})
     for label, removed in ABLATIONS.items():
         # an ablation of a part the family lacks would repeat the full operator; one that keeps none of the

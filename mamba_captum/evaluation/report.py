@@ -205,6 +205,9 @@ def main(argv=None):
                         "results.json without running any model")
     parser.add_argument("--update", action="store_true", help="keep the other models' rows of the existing "
                         "results.json and replace only the models run now")
+    parser.add_argument("--method", nargs="+", default=None, metavar="NAME",
+                        help="run only the methods whose name contains one of these strings (with --update, only "
+                             "their rows are replaced; the other methods' rows of the same models are kept)")
     args = parser.parse_args(argv)
     if args.report_only:
         rows = json.loads((args.assets / "results.json").read_text())["rows"]
@@ -221,13 +224,25 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: no shipped classifier for --family {' '.join(args.family)} --task "
                        f"{' '.join(args.task)} (bbc_news has a mamba model only); nothing was run or written.\n")
     start = time.perf_counter()
+    methods = None
+    if args.method:
+        from .compare import captum_methods, implicit_methods
+
+        def methods(family):
+            chosen = [m for m in implicit_methods(family) + captum_methods() if any(s in m.name for s in args.method)]
+            if not chosen:
+                parser.exit(2, f"{parser.prog}: error: no method name contains {' or '.join(args.method)!r}; "
+                               "nothing was run or written.\n")
+            return chosen
     rows = evaluate(pairs=[(family, task) for family, task, _ in usable], examples=args.examples,
-                    perturbation=not args.no_perturbation, weights_root=args.weights,
+                    perturbation=not args.no_perturbation, weights_root=args.weights, methods=methods,
                     log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))
     if args.update and (args.assets / "results.json").exists():
         ran = {(family, task) for family, task, _ in usable}
+        replaced = {(r["family"], r["task"], r["method"]) for r in rows}
         kept = [r for r in json.loads((args.assets / "results.json").read_text())["rows"]
-                if (r["family"], r["task"]) not in ran]
+                if (r["family"], r["task"]) not in ran
+                or (args.method and (r["family"], r["task"], r["method"]) not in replaced)]
         rows = kept + rows
         usable, skipped = available_models(FAMILIES, list(TASKS) + ["bbc_news"], args.weights)
         usable = [u for u in usable if any((r["family"], r["task"]) == u[:2] for r in rows)]

@@ -18,6 +18,15 @@ The planted tasks (``make_task(name, count, seed)``) know their relevant tokens 
   near-neutral words of the same lexicon (|valence| < 0.5); the label is their sign; relevant = those words.
   Needs the ``vaderSentiment`` package (``pip install mamba-captum[evaluation]``).
 
+Selection-driven (:data:`SELECTION_TASKS`): the deciding tokens change how other tokens are read.
+
+- ``gated_recall``: the value token (``v0`` / ``v1``) right after a ``gate`` token is the class; the other value
+  occurs elsewhere. Relevant = the gate and the value after it.
+- ``conjunction``: class 1 iff an ``x`` token and a ``y`` token both occur (half the examples; the others hold one
+  of them, 0.4 each, or neither). Relevant = both, in class 1 only (there each is necessary).
+- ``order``: ``X`` and ``Y`` once each, class 1 if ``X`` comes first, 0 if ``Y`` does; class 2 (a quarter) holds
+  only one of them. Relevant = both when both occur (without either the class is 2).
+
 All token ids: 0 ``[PAD]``, 1 ``[UNK]`` (the replacement token of the perturbation metrics), 2 ``[QUERY]``,
 then the label tokens, then the task's own tokens. A task's vocabulary does not depend on the seed.
 """
@@ -34,12 +43,12 @@ import torch
 
 PAD, UNK, QUERY = 0, 1, 2
 SPECIALS = ("[PAD]", "[UNK]", "[QUERY]")
-TASKS = ("needle", "negation", "long_range", "counting", "real_words")
 # Tasks whose evidence must change how other tokens are read (the selection / gating path), not only be read:
 # gated_recall (the value right after a gate token counts, the other value elsewhere does not), conjunction (both of
 # two tokens), order (X before Y: a sum of the tokens' values cannot tell). (A "switch anywhere inverts the value"
 # task left the tiny Mamba at chance for 2,000 steps, with or without a curriculum.)
 SELECTION_TASKS = ("gated_recall", "conjunction", "order")
+TASKS = ("needle", "negation", "long_range", "counting", "real_words") + SELECTION_TASKS
 
 
 @dataclass
@@ -296,7 +305,7 @@ def make_task(name: str, count: int, seed: int, length: int | None = None) -> Cl
     Returns a :class:`ClassificationTask` with ``input_ids`` (count, L), ``labels`` (count,), ``relevant`` (count, L).
     """
     if name not in _MAKERS:
-        raise ValueError(f"mamba_captum: unknown task {name!r}; choose one of {TASKS + SELECTION_TASKS}.")
+        raise ValueError(f"mamba_captum: unknown task {name!r}; choose one of {TASKS}.")
     maker, default = _MAKERS[name]
     length = default if length is None else int(length)
     minimum = 256 if name == "long_range" else 16
