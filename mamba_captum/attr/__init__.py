@@ -1,9 +1,10 @@
 """The Captum attribution classes built on the implicit-attention engine (DESIGN.md §1, §4)."""
 from ._base import RECIPES, ImplicitAttentionMethod
 from .attribution import GRADIENT_RULES, MambaAttribution
+from .lrp import MambaLRP
 from .raw_attention import MambaRawAttention
 from .rollout import MambaRollout
 from .rwkv_attribution import RWKVAttribution
 
-__all__ = ["GRADIENT_RULES", "RECIPES", "ImplicitAttentionMethod", "MambaAttribution", "MambaRawAttention",
+__all__ = ["GRADIENT_RULES", "RECIPES", "ImplicitAttentionMethod", "MambaAttribution", "MambaLRP", "MambaRawAttention",
            "MambaRollout", "RWKVAttribution"]

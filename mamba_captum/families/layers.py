@@ -1,0 +1,134 @@
+"""MambaLRP's plan of a model: which module gets which rule, and the proof that nothing is left without one.
+
+:func:`lrp_plan` walks the model's modules from the root. Each module is
+
+- a token mixer with an adapter: its output is replaced by the adapter's ``lrp(call, work_dtype)`` (the family's
+  rules, :mod:`mamba_captum.families`); its submodules are covered by it;
+- a module with a rule here (:data:`RULES`: norms, gated MLPs, mixtures of experts): its output is replaced by the
+  rule's expression, computed from its input; its submodules are covered by it;
+- linear (``nn.Linear``, ``nn.Embedding``, dropout, identity, module lists), or a container whose own forward is
+  linear apart from the submodules it calls (:data:`LINEAR_CONTAINERS`: decoder layers, models, heads, attention
+  modules, whose softmax is handled at HF's attention interface): its submodules are planned in turn;
+- anything else: refused (``NotImplementedError`` naming the class), since a non-linear step without a rule would
+  make the relevance silently non-conservative.
+
+A rule is ``rule(module, args, kwargs, output, work_dtype) -> tensor``: the module's (main) output under the rule,
+a differentiable function of its inputs ``args`` / ``kwargs`` (which carry the graph), with the real output's
+value (checked by the engine, :mod:`mamba_captum.lrp`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .. import rules
+
+# -- containers whose own forward is linear in what flows through it ------------------------------------------------
+# A class is listed here only after its forward was read (transformers 5.23): residual additions, casts, scalings
+# by constants, indexing and calls of submodules; every non-linear step sits in a submodule with a rule.
+LINEAR_CONTAINERS = {
+    # Mamba-1
+    "MambaForCausalLM", "MambaModel", "MambaBlock",
+    "FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaBlock",
+}
+
+# Modules that compute no relevance path: rotary embeddings read their input's dtype and device only.
+NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
+
+def _input(args, kwargs, name="hidden_states"):
+    return args[0] if args else kwargs[name]
+
+
+def rms_norm(module, args, kwargs, output, work_dtype):
+    """An RMS norm: the normaliser detached (``x · (y / x)̄``, whatever the weight's form)."""
+    x = _input(args, kwargs)
+    return rules.rms_norm_rule(x.to(work_dtype), output.to(work_dtype))
+
+
+def layer_norm(module, args, kwargs, output, work_dtype):
+    """``nn.LayerNorm``: σ detached, the centring linear, the bias a constant."""
+    x = _input(args, kwargs, "input")
+    return rules.layer_norm_rule(x.to(work_dtype), module.weight, module.bias, module.eps,
+                                 dims=len(module.normalized_shape))
+
+
+RULES = {}
+
+
+def rule_for(module: nn.Module):
+    """The rule of a module, or None."""
+    name = type(module).__name__
+    if name in RULES:
+        return RULES[name]
+    if type(module).forward is nn.LayerNorm.forward:
+        return layer_norm
+    if name.endswith("RMSNorm") and "Gated" not in name and _single_input(module):
+        return rms_norm
+    return None
+
+
+def _single_input(module) -> bool:
+    import inspect
+
+    parameters = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(parameters) == 1
+
+
+def _is_linear(module) -> bool:
+    if type(module) in (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict):
+        return True
+    return isinstance(module, nn.modules.dropout._DropoutNd)
+
+
+@dataclass(eq=False)
+class PlannedRule:
+    """One module whose output is replaced: ``rule`` (None for a token mixer, whose adapter gives it) at ``path``."""
+
+    module: nn.Module
+    path: str
+    rule: object = None
+    located: object = None  # the LocatedMixer of a token mixer
+
+
+def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
+    """The modules whose outputs MambaLRP replaces, in module order.
+
+    Raises:
+        NotImplementedError: a module without a rule whose forward is not known to be linear (named, with the model
+            type), or a token mixer whose family has no LRP rules yet.
+    """
+    by_module = {id(m.module): m for m in mixers}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    planned: list[PlannedRule] = []
+
+    def visit(module, path):
+        located = by_module.get(id(module))
+        if located is not None:
+            if not hasattr(located.adapter, "lrp"):
+                raise NotImplementedError(
+                    f"mamba_captum: MambaLRP has no rules for the token mixer {type(module).__name__} ({path}"
+                    f"{f', model type {model_type!r}' if model_type else ''}) yet: "
+                    f"{getattr(located.adapter, 'LRP_UNSUPPORTED', 'its family is not covered')}.")
+            planned.append(PlannedRule(module, path, located=located))
+            return
+        rule = rule_for(module)
+        if rule is not None:
+            planned.append(PlannedRule(module, path, rule))
+            return
+        name = type(module).__name__
+        if name.endswith(NO_RELEVANCE_PATH_SUFFIXES):
+            return
+        if not (_is_linear(module) or name in LINEAR_CONTAINERS):
+            raise NotImplementedError(
+                f"mamba_captum: MambaLRP has no rule for {name} ({path or 'the model'}"
+                f"{f', model type {model_type!r}' if model_type else ''}): its forward is not known to be linear, so "
+                "the relevance would not be conserved through it. Supported: Mamba, FalconMamba, Mamba-2 models "
+                "and the hybrids listed in docs/methods/lrp.md.")
+        for child_name, child in module.named_children():
+            visit(child, f"{path}.{child_name}" if path else child_name)
+
+    visit(model, "")
+    return planned
