@@ -196,8 +196,28 @@ def test_mamba1_matches_a_reference_written_from_the_paper():
     assert (relevance - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+# -- Mamba-2 --------------------------------------------------------------------------------------------------------
+def test_mamba2_conserves_with_biases():
+    model = make_model("mamba2", dtype=torch.float64, use_bias=True, **EXACT)
+    spread_biases(model)
+    ids = torch.randint(3, 64, (1, 10))
+    relevance, delta, share, modified, real = explain_with_share(model, ids)
+    assert abs(share) > 1e-3
+    assert abs(float(delta) + share) <= 1e-12 * max(1.0, abs(float(modified)))
+    assert abs(float(modified) - float(real)) <= 1e-6 * max(1.0, abs(float(real)))
+
+
+def test_mamba2_without_biases_sums_to_the_logit():
+    model = make_model("mamba2", dtype=torch.float64, **EXACT)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 12))
+    _, delta = mc.MambaLRP(model, forward_func=float64_head(model)).attribute(ids, target=TARGET,
+                                                                            return_convergence_delta=True)
+    assert delta.abs().max() <= 1e-12
+
+
 # -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
-MASKED = MAMBA1  # families whose mixers take attention_mask (left padding)
+MASKED = MAMBA1 + ["mamba2"]  # families whose mixers take attention_mask (left padding)
 
 
 def modified_logits(model, ids, mask=None, **kwargs):

@@ -32,6 +32,8 @@ LINEAR_CONTAINERS = {
     # Mamba-1
     "MambaForCausalLM", "MambaModel", "MambaBlock",
     "FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaBlock",
+    # Mamba-2
+    "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Block",
 }
 
 # Modules that compute no relevance path: rotary embeddings read their input's dtype and device only.
