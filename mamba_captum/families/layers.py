@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import rules
@@ -34,10 +35,15 @@ LINEAR_CONTAINERS = {
     "FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaBlock",
     # Mamba-2
     "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Block",
+    # Jamba (the router's outputs only feed the experts, whose rule detaches the routing weights)
+    "JambaForCausalLM", "JambaForSequenceClassification", "JambaModel", "JambaAttentionDecoderLayer",
+    "JambaMambaDecoderLayer", "JambaAttention", "JambaSparseMoeBlock",
 }
 
-# Modules that compute no relevance path: rotary embeddings read their input's dtype and device only.
+# Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
+# the routing weights (detached by the experts' rule) and the experts' indices.
 NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
+NO_RELEVANCE_PATH = {"JambaTopKRouter"}
 
 def _input(args, kwargs, name="hidden_states"):
     return args[0] if args else kwargs[name]
@@ -56,7 +62,67 @@ def layer_norm(module, args, kwargs, output, work_dtype):
                                  dims=len(module.normalized_shape))
 
 
-RULES = {}
+def _activation_rule(act_fn, x):
+    """An element-wise activation module (SiLU, GELU, ReLU, ...) by the identity rule."""
+    with torch.no_grad():
+        activated = act_fn(x)
+    return rules.identity_rule(x, activated)
+
+
+def glu_mlp(module, args, kwargs, output, work_dtype):
+    """A gated MLP ``down(act(gate(x)) ⊙ up(x))``: the activation by the identity rule, the product by the half
+    rule (both factors depend on x)."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
+    return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+
+
+def _bias(linear, dtype):
+    return None if linear.bias is None else linear.bias.to(dtype)
+
+
+def experts(module, args, kwargs, output, work_dtype):
+    """Stacked experts ``Σ_k w_k · down_e(act(gate_e(x)) ⊙ up_e(x))`` over the top-k experts e of each token
+    (transformers 5's expert modules: ``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)): the routing weights
+    w_k detached (the router takes no relevance, like a softmax), each expert a gated MLP (identity and half
+    rules)."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args) + [kwargs[n] for n in names[len(args):]]
+    hidden, index, weights = values[:3]
+    x = hidden.to(work_dtype)
+    out = torch.zeros_like(x)
+    for expert in range(module.num_experts):
+        tokens, slot = torch.where(index == expert)
+        if tokens.numel() == 0:
+            continue
+        gate, up = F.linear(x[tokens], module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
+        inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
+        y = F.linear(inner, module.down_proj[expert].to(work_dtype))
+        out = out.index_add(0, tokens, y * weights[tokens, slot, None].detach().to(work_dtype))
+    return out
+
+
+def _check_experts(module) -> str | None:
+    """Why the stacked-experts rule does not fit ``module`` (None when it does)."""
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            return f"no 3-D {name} weight"
+    if any(getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")):
+        return "expert biases"
+    if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True):
+        return "a transposed or ungated expert layout"
+    if module.gate_up_proj.shape[-1] != module.down_proj.shape[-2]:
+        return "an unexpected expert layout"
+    return None
+
+
+RULES = {
+    # Jamba
+    "JambaMLP": glu_mlp, "JambaExperts": experts,
+}
 
 
 def rule_for(module: nn.Module):
@@ -117,11 +183,14 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
             planned.append(PlannedRule(module, path, located=located))
             return
         rule = rule_for(module)
+        if rule is experts and _check_experts(module) is not None:
+            raise NotImplementedError(f"mamba_captum: MambaLRP's experts rule does not fit {type(module).__name__} "
+                                      f"({path}): {_check_experts(module)}.")
         if rule is not None:
             planned.append(PlannedRule(module, path, rule))
             return
         name = type(module).__name__
-        if name.endswith(NO_RELEVANCE_PATH_SUFFIXES):
+        if name.endswith(NO_RELEVANCE_PATH_SUFFIXES) or name in NO_RELEVANCE_PATH:
             return
         if not (_is_linear(module) or name in LINEAR_CONTAINERS):
             raise NotImplementedError(
