@@ -132,7 +132,11 @@ EXACT = dict(residual_in_fp32=False)
 
 # Per family: the config overrides that give every bias a chance (in_proj / out_proj biases of the SSM mixers).
 CONSERVING = {"mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True), "mamba2": dict(use_bias=True),
-              "jamba": {}}
+              "jamba": {}, "bamba": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True),
+              "nemotron_h": dict(mlp_bias=True, use_bias=True),
+              "falcon_h1": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True, projectors_bias=True),
+              "granitemoehybrid": dict(attention_bias=True, mamba_proj_bias=True),
+              "zamba2": dict(add_bias_linear=True)}
 
 
 @pytest.mark.parametrize("family", list(CONSERVING))
@@ -202,8 +206,9 @@ def test_mamba1_matches_a_reference_written_from_the_paper():
 
 
 # -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
-MASKED = MAMBA1 + ["mamba2", "jamba"]  # families whose mixers take attention_mask (left padding)
-SOFTMAX = {"jamba"}  # hybrids with softmax attention layers
+HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2"]
+MASKED = MAMBA1 + ["mamba2"] + HYBRIDS  # families whose mixers take attention_mask (left padding)
+SOFTMAX = set(HYBRIDS)  # hybrids with softmax attention layers
 
 
 def modified_logits(model, ids, mask=None, **kwargs):

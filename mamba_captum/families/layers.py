@@ -38,12 +38,25 @@ LINEAR_CONTAINERS = {
     # Jamba (the router's outputs only feed the experts, whose rule detaches the routing weights)
     "JambaForCausalLM", "JambaForSequenceClassification", "JambaModel", "JambaAttentionDecoderLayer",
     "JambaMambaDecoderLayer", "JambaAttention", "JambaSparseMoeBlock",
+    # Bamba (RoPE acts on queries and keys only)
+    "BambaForCausalLM", "BambaModel", "BambaDecoderLayer", "BambaAttention",
+    # NemotronH (its mixture of experts, NemotronHMoE, is not covered: ungated experts)
+    "NemotronHForCausalLM", "NemotronHModel", "NemotronHBlock", "NemotronHAttention",
+    # FalconH1 (attention ∥ Mamba-2, scaled by constant multipliers)
+    "FalconH1ForCausalLM", "FalconH1Model", "FalconH1DecoderLayer", "FalconH1Attention",
+    # GraniteMoeHybrid (constant embedding / residual multipliers and logits scaling)
+    "GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridDecoderLayer",
+    "GraniteMoeHybridAttention", "GraniteMoeHybridMoE",
+    # Zamba2 (the shared block, run in several layers, sees the concatenation of the stream and the embeddings;
+    # its low-rank adapters are linear)
+    "Zamba2ForCausalLM", "Zamba2Model", "Zamba2HybridLayer", "Zamba2MambaDecoderLayer",
+    "Zamba2AttentionDecoderLayer", "Zamba2Attention",
 }
 
 # Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
 # the routing weights (detached by the experts' rule) and the experts' indices.
 NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
-NO_RELEVANCE_PATH = {"JambaTopKRouter"}
+NO_RELEVANCE_PATH = {"JambaTopKRouter", "GraniteMoeHybridTopKRouter"}
 
 def _input(args, kwargs, name="hidden_states"):
     return args[0] if args else kwargs[name]
@@ -76,6 +89,47 @@ def glu_mlp(module, args, kwargs, output, work_dtype):
     gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
     up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
     inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
+    return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+
+
+def plain_mlp(module, args, kwargs, output, work_dtype):
+    """An MLP ``down(act(up(x)))`` (NemotronH's ReLU²): the activation by the identity rule."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    return F.linear(_activation_rule(module.act_fn, up), module.down_proj.weight.to(work_dtype),
+                    _bias(module.down_proj, work_dtype))
+
+
+def falcon_h1_mlp(module, args, kwargs, output, work_dtype):
+    """FalconH1's gated MLP ``down(up(x) ⊙ act(gate(x) · m_g)) · m_d``: identity and half rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
+    gate = gate * module.gate_multiplier
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    inner = rules.half_product(up, _activation_rule(module.act_fn, gate))
+    down = F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+    return down * module.down_multiplier
+
+
+def chunked_glu_mlp(module, args, kwargs, output, work_dtype):
+    """GraniteMoeHybrid's shared MLP ``output(act(a) ⊙ b)``, ``a, b = input(x).chunk(2)``: identity and half
+    rules."""
+    x = _input(args, kwargs).to(work_dtype)
+    a, b = F.linear(x, module.input_linear.weight.to(work_dtype), _bias(module.input_linear, work_dtype)).chunk(2, -1)
+    inner = rules.half_product(_activation_rule(module.activation, a), b)
+    return F.linear(inner, module.output_linear.weight.to(work_dtype), _bias(module.output_linear, work_dtype))
+
+
+def zamba2_mlp(module, args, kwargs, output, work_dtype):
+    """Zamba2's shared gated MLP with its per-call low-rank adapter: ``down(act(a) ⊙ b)``, ``a, b =
+    (gate_up(x) + adapter_ℓ(x)).chunk(2)`` (the adapter linear): identity and half rules."""
+    x = _input(args, kwargs, "hidden_state")
+    layer_idx = args[1] if len(args) > 1 else kwargs.get("layer_idx")
+    adapter = module.gate_up_proj_adapter_list[module.layer_dic[layer_idx]]
+    gate_up = F.linear(x.to(work_dtype), module.gate_up_proj.weight.to(work_dtype),
+                       _bias(module.gate_up_proj, work_dtype)) + adapter(x).to(work_dtype)
+    a, b = gate_up.chunk(2, dim=-1)
+    inner = rules.half_product(_activation_rule(module.act_fn, a), b)
     return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
 
 
@@ -120,8 +174,12 @@ def _check_experts(module) -> str | None:
 
 
 RULES = {
-    # Jamba
     "JambaMLP": glu_mlp, "JambaExperts": experts,
+    "BambaMLP": glu_mlp,
+    "NemotronHMLP": plain_mlp,
+    "FalconH1MLP": falcon_h1_mlp,
+    "GraniteMoeHybridMLP": chunked_glu_mlp, "GraniteMoeHybridExperts": experts,
+    "Zamba2MLP": zamba2_mlp,
 }
 
 
@@ -146,7 +204,7 @@ def _single_input(module) -> bool:
 
 
 def _is_linear(module) -> bool:
-    if type(module) in (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict):
+    if type(module) in (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential):
         return True
     return isinstance(module, nn.modules.dropout._DropoutNd)
 
@@ -171,8 +229,12 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
     by_module = {id(m.module): m for m in mixers}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     planned: list[PlannedRule] = []
+    seen: set[int] = set()  # a module shared by several layers (Zamba2's shared block) is planned once
 
     def visit(module, path):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
         located = by_module.get(id(module))
         if located is not None:
             if not hasattr(located.adapter, "lrp"):
