@@ -25,6 +25,7 @@ from torch import nn
 from .capture import ATTENTION_PATCH, MixerCall, attention_call, mixer_arguments, open_captures
 from .families import softmax
 from .families.layers import PlannedRule
+from .rules import ratio
 
 
 class LRPForward(contextlib.AbstractContextManager):
@@ -50,6 +51,7 @@ class LRPForward(contextlib.AbstractContextManager):
         self._handles = []
         self._pending: dict[int, list] = {}  # id(module) -> stack of (args, kwargs, grad mode) of running calls
         self._unfused: dict[int, bool] = {}
+        self._heads: dict[int, list] = {}  # id(planned) -> the head outputs of running soft-capped calls
         self._thread = None
         self._grad_mode = None
         self._captures = None
@@ -106,6 +108,26 @@ class LRPForward(contextlib.AbstractContextManager):
         if self._mine():
             self._unfused[module_id] = True
 
+    def _on_head(self, planned, module, args, output):
+        if self._mine():
+            self._heads.setdefault(id(planned), []).append(output)
+
+    def _on_soft_capped(self, planned, module, args, kwargs, output):
+        """The soft-capped logits ``s = c · tanh(z / c)`` by the identity rule ``z · (s / z)̄``."""
+        heads = self._heads.get(id(planned))
+        if not self._mine() or not heads:
+            return None
+        z = heads.pop()
+        capped = output.logits
+        if not torch.is_grad_enabled() or z.shape != capped.shape:
+            return None
+        rule = z.to(self.work_dtype) * ratio(capped.to(self.work_dtype), z.to(self.work_dtype))
+        self._check(f"{planned.path or type(module).__name__} (soft-capped logits under the identity rule)", capped,
+                    rule.detach(), module=module)
+        self.calls[id(planned)] = self.calls.get(id(planned), 0) + 1
+        output.logits = rule.to(capped.dtype)
+        return output
+
     def _on_embedding(self, module, args, output):
         if not self._mine() or not torch.is_tensor(output) or not output.is_floating_point():
             return None
@@ -144,6 +166,10 @@ class LRPForward(contextlib.AbstractContextManager):
         try:
             for planned in self.plan:
                 module = planned.module
+                if planned.soft_cap is not None:
+                    self._hook(planned.head, False, self._on_head, planned)
+                    self._hook(module, False, self._on_soft_capped, planned, with_kwargs=True)
+                    continue
                 # outermost: the pre-hook after every other pre-hook (the input as the module gets it), the forward
                 # hook before every other forward hook (the module's own output)
                 self._hook(module, True, self._on_pre, planned, with_kwargs=True)
@@ -165,6 +191,7 @@ class LRPForward(contextlib.AbstractContextManager):
             handle.remove()
         self._handles.clear()
         self._pending.clear()
+        self._heads.clear()
         if self in self._captures:
             self._captures.remove(self)
         if self._patched:

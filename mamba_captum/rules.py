@@ -10,10 +10,17 @@ Euler's identity then gives Σ input · gradient + Σ bias · gradient = output.
   ratio detached; all of the output's relevance goes to x.
 - :func:`half_product` (a multiplicative gate ``y = a ⊙ b`` whose two factors both depend on the input): ``½ a ⊙
   b̄ + ½ ā ⊙ b`` (bars: detached); each factor receives half of the product's relevance.
+- :func:`sigmoid_gate` (``σ(r) ⊙ v``, a sigmoid gate on a value): by default the gate is detached ("signal takes
+  all", Arras et al. for LSTM gates): the identity rule's ratio σ(r)/r is unbounded near r = 0 (σ(0) = ½), which
+  makes the relevances of the gate's inputs large and cancelling; ``sigmoid_gates="half"`` uses the half rule with
+  σ's identity rule instead.
 - :func:`scaled` (a data-dependent factor that is not explained, such as a normaliser ``1/rms(x)``, a softmax
   ``P``, the selection parameters Δ, B, C of a scan): ``x · s̄``; the relevance of ``y = s x`` goes to x.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
@@ -71,3 +78,28 @@ def layer_norm_rule(x: torch.Tensor, weight, bias, eps: float, dims: int = 1) ->
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out
+
+
+SIGMOID_GATE_RULES = ("signal", "half")
+_SIGMOID_GATES = contextvars.ContextVar("mamba_captum_sigmoid_gates", default="signal")
+
+
+@contextlib.contextmanager
+def sigmoid_gates(rule: str):
+    """Choose the rule of :func:`sigmoid_gate` while the context is open (this thread / context only)."""
+    if rule not in SIGMOID_GATE_RULES:
+        raise ValueError(f"mamba_captum: sigmoid_gates={rule!r}; choose one of {SIGMOID_GATE_RULES}.")
+    token = _SIGMOID_GATES.set(rule)
+    try:
+        yield
+    finally:
+        _SIGMOID_GATES.reset(token)
+
+
+def sigmoid_gate(pre: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A sigmoid gate ``σ(pre) ⊙ value``, both depending on the input: ``σ(pre)̄ ⊙ value`` (signal takes all, the
+    default) or ``½ σ(pre) v̄ + ½ σ(pre)̄ v`` with σ by the identity rule (``sigmoid_gates("half")``)."""
+    gate = torch.sigmoid(pre.detach())
+    if _SIGMOID_GATES.get() == "half":
+        return half_product(identity_rule(pre, gate), value)
+    return value * gate

@@ -19,8 +19,8 @@ TARGET = 5
 # -- the rules, by hand ---------------------------------------------------------------------------------------------
 def _relevance(output, *inputs):
     """gradient × input of Σ output for each input."""
-    grads = torch.autograd.grad(output.sum(), inputs)
-    return [g * x for g, x in zip(grads, inputs)]
+    grads = torch.autograd.grad(output.sum(), inputs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g * x for g, x in zip(grads, inputs)]
 
 
 def test_half_rule_splits_a_product_fifty_fifty():
@@ -55,6 +55,21 @@ def test_silu_rule_is_the_identity_rule():
     x = torch.tensor([-1.5, 0.0, 0.2, 3.0], dtype=torch.float64, requires_grad=True)
     (rx,) = _relevance(rules.silu_rule(x), x)
     assert torch.allclose(rules.silu_rule(x), F.silu(x)) and torch.allclose(rx, F.silu(x))
+
+
+def test_sigmoid_gates_signal_takes_all_or_half():
+    x = torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64, requires_grad=True)
+    pre, value = 2.0 * x - 0.1, 3.0 * x
+    expected = torch.sigmoid(pre) * value
+    r_pre, r_value = _relevance(rules.sigmoid_gate(pre, value), pre, value)
+    assert torch.allclose(rules.sigmoid_gate(pre, value), expected)
+    assert r_pre.abs().max() == 0 and torch.allclose(r_value, expected)  # the default: the signal takes all
+    with rules.sigmoid_gates("half"):
+        r_pre, r_value = _relevance(rules.sigmoid_gate(pre, value), pre, value)
+    assert torch.allclose(r_pre, 0.5 * expected) and torch.allclose(r_value, 0.5 * expected)
+    with pytest.raises(ValueError):
+        with rules.sigmoid_gates("identity"):
+            pass
 
 
 def test_norm_rules_conserve_per_token():
@@ -94,15 +109,12 @@ def zero_biases(model):
                 parameter.zero_()
 
 
-def _last_hidden(model, ids, attention_mask, kwargs):
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.base_model
-    return base(ids, attention_mask=attention_mask, use_cache=False, **kwargs).last_hidden_state
-
-
 def float64_head(model):
-    """forward_func: the last position's logits in float64 (the conservation is checked against them)."""
+    """forward_func: the last position's logits in the model's dtype (HF's causal LMs cast them to float32; the
+    conservation is checked against these), without any soft-capping of the head."""
     def forward(ids, attention_mask=None, **kwargs):
-        return model.lm_head(_last_hidden(model, ids, attention_mask, kwargs))[:, -1]
+        hidden = model.base_model(ids, attention_mask=attention_mask, use_cache=False, **kwargs).last_hidden_state
+        return model.get_output_embeddings()(hidden)[:, -1]
     return forward
 
 
@@ -136,7 +148,7 @@ CONSERVING = {"mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True),
               "nemotron_h": dict(mlp_bias=True, use_bias=True),
               "falcon_h1": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True, projectors_bias=True),
               "granitemoehybrid": dict(attention_bias=True, mamba_proj_bias=True),
-              "zamba2": dict(add_bias_linear=True)}
+              "zamba2": dict(add_bias_linear=True), "rwkv": {}, "recurrent_gemma": {}}
 
 
 @pytest.mark.parametrize("family", list(CONSERVING))
@@ -148,7 +160,9 @@ def test_conservation_with_biases(family):
     ids = torch.randint(3, 64, (1, 10))
     relevance, delta, share, modified, real = explain_with_share(model, ids)
     assert abs(share) > 1e-4  # the biases matter here
-    assert abs(float(delta) + share) <= 1e-12 * max(1.0, abs(float(modified)))
+    # the sums' rounding: relative to the largest terms (LayerNorm's centring makes large cancelling relevances)
+    scale = max(1.0, abs(float(modified)), abs(share), float(relevance.abs().sum()))
+    assert abs(float(delta) + share) <= 1e-13 * scale
     assert abs(float(modified) - float(real)) <= 1e-6 * max(1.0, abs(float(real)))
     assert no_hooks_left(model)
 
@@ -161,7 +175,7 @@ def test_without_biases_the_relevance_sums_to_the_logit(family):
     relevance, delta = mc.MambaLRP(model, forward_func=float64_head(model)).attribute(
         ids, target=TARGET, return_convergence_delta=True)
     assert relevance.shape == (2, 9) and relevance.dtype == torch.float64
-    assert delta.abs().max() <= 1e-12
+    assert (delta.abs() <= 1e-13 * relevance.abs().sum(-1).clamp(min=1.0)).all()
 
 
 def _rms_detached(norm, x):
@@ -208,7 +222,9 @@ def test_mamba1_matches_a_reference_written_from_the_paper():
 # -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
 HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2"]
 MASKED = MAMBA1 + ["mamba2"] + HYBRIDS  # families whose mixers take attention_mask (left padding)
-SOFTMAX = set(HYBRIDS)  # hybrids with softmax attention layers
+RECURRENT = ["rwkv", "recurrent_gemma"]  # mixers that ignore attention_mask: right padding only
+SOFTMAX = set(HYBRIDS) | {"recurrent_gemma"}  # families with softmax attention layers
+COVERED = MASKED + RECURRENT
 
 
 def modified_logits(model, ids, mask=None, **kwargs):
@@ -229,7 +245,7 @@ def modified_logits(model, ids, mask=None, **kwargs):
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
-@pytest.mark.parametrize("family", MASKED)
+@pytest.mark.parametrize("family", COVERED)
 def test_the_modified_forward_gives_the_models_output(family, dtype, bound):
     model = make_model(family, dtype=dtype)
     spread_biases(model)
@@ -241,7 +257,7 @@ def test_the_modified_forward_gives_the_models_output(family, dtype, bound):
     assert no_hooks_left(model)
 
 
-@pytest.mark.parametrize("family", MASKED)
+@pytest.mark.parametrize("family", COVERED)
 def test_batch_equals_single_examples_and_targets_follow_captum(family):
     model = make_model(family)
     ids = torch.randint(3, 64, (3, 7))
@@ -274,7 +290,7 @@ def test_left_padding_gives_the_unpadded_relevance(family):
     assert abs(float(delta - delta_alone)) <= 1e-6
 
 
-@pytest.mark.parametrize("family", MASKED)
+@pytest.mark.parametrize("family", COVERED)
 def test_embeddings_give_per_feature_relevance(family):
     model = make_model(family, dtype=torch.float64)
     ids = torch.randint(3, 64, (2, 6))
@@ -338,3 +354,34 @@ def test_a_sequence_classifier_explains_its_pooled_logit():
     assert delta.abs().max() <= 1e-12  # the score head has no bias; the logits are float64 here
     with pytest.raises(ValueError):
         mc.MambaLRP(model).attribute(ids, target=0, position=3)
+
+
+def test_a_soft_capped_head_takes_the_identity_rule():
+    """RecurrentGemma soft-caps its logits, s = c · tanh(z / c), inside its forward: the relevance sums to s."""
+    model = make_model("recurrent_gemma", dtype=torch.float64)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 7))
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * relevance.abs().sum(-1).clamp(min=1.0)).all()
+    model.config.logits_soft_cap = 0.05  # a cap that bites: s ≠ z
+    capped, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * capped.abs().sum(-1).clamp(min=1.0)).all()
+    with torch.no_grad():
+        s = model(ids).logits[:, -1, TARGET]
+        z = torch.atanh(s / 0.05) * 0.05
+    # the cap scales every token alike (s / z from the real logits: HF runs the RG-LRU in float32)
+    assert torch.allclose(capped, relevance * (s / z)[:, None], rtol=1e-4)
+
+
+def test_rwkv_sigmoid_gates_both_conserve():
+    model = make_model("rwkv", dtype=torch.float64)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 7))
+    method = mc.MambaLRP(model)
+    signal, delta = method.attribute(ids, target=TARGET, return_convergence_delta=True)
+    half, delta_half = method.attribute(ids, target=TARGET, sigmoid_gates="half", return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * signal.abs().sum(-1).clamp(min=1.0)).all()
+    assert (delta_half.abs() <= 1e-13 * half.abs().sum(-1).clamp(min=1.0)).all()
+    assert not torch.allclose(signal, half)
+    with pytest.raises(ValueError, match="sigmoid_gates"):
+        method.attribute(ids, target=TARGET, sigmoid_gates="identity")

@@ -16,7 +16,7 @@ import torch
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 
-from .. import families
+from .. import families, rules
 from ..attention import _model_dtype
 from ..checks import check_finite, check_forward_devices, check_inputs, unwrap_parallel
 from ..families.layers import lrp_plan
@@ -70,7 +70,7 @@ class MambaLRP(GradientAttribution):
 
     @log_usage()  # Captum's wrapper: NoiseTunnel calls attribute.__wrapped__
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
-                  return_convergence_delta=False, **forward_kwargs):
+                  sigmoid_gates="signal", return_convergence_delta=False, **forward_kwargs):
         """Relevance of every input token for the explained output, by MambaLRP's rules.
 
         Args:
@@ -82,6 +82,10 @@ class MambaLRP(GradientAttribution):
                 mixers ignore the mask, as everywhere in the library).
             position: the query token (causal LM or ``forward_func``): int, one per example, or None for the last
                 real token. A sequence-classification head always explains its pooled token.
+            sigmoid_gates: the rule of sigmoid gates ``σ(r) ⊙ v`` (RWKV's receptance): ``"signal"`` (default: σ(r)
+                detached, all relevance to v, as LRP does for LSTM gates) or ``"half"`` (the half rule, σ by the
+                identity rule; its ratio σ(r)/r is unbounded near 0, so r's inputs get large cancelling relevances).
+                SiLU and GELU gates always take the half rule (their ratios are bounded). Both conserve.
             return_convergence_delta: also return, per example, ``Σ relevance − explained score`` (Captum's LRP
                 convention): minus the share the rules leave to the biases; 0 up to rounding for a model without
                 biases.
@@ -93,8 +97,9 @@ class MambaLRP(GradientAttribution):
             tuple; with ``return_convergence_delta``, ``(attributions, delta)``, delta (B,).
         """
         inputs_tensor, was_tuple = format_inputs(inputs)
-        relevance, delta = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
-                                         forward_kwargs)
+        with rules.sigmoid_gates(sigmoid_gates):
+            relevance, delta = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
+                                             forward_kwargs)
         out = (relevance,) if was_tuple else relevance
         return (out, delta) if return_convergence_delta else out
 

@@ -51,6 +51,10 @@ LINEAR_CONTAINERS = {
     # its low-rank adapters are linear)
     "Zamba2ForCausalLM", "Zamba2Model", "Zamba2HybridLayer", "Zamba2MambaDecoderLayer",
     "Zamba2AttentionDecoderLayer", "Zamba2Attention",
+    # RWKV-4 (the LayerNorms have their rule; the residual stream is halved every rescale_every blocks)
+    "RwkvForCausalLM", "RwkvModel", "RwkvBlock",
+    # RecurrentGemma (embeddings × a constant; the logits' soft cap has its rule on the head, SOFT_CAPPED_HEADS)
+    "RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaDecoderLayer", "RecurrentGemmaAttention",
 }
 
 # Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
@@ -133,6 +137,24 @@ def zamba2_mlp(module, args, kwargs, output, work_dtype):
     return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
 
 
+def rwkv_channel_mixing(module, args, kwargs, output, work_dtype):
+    """RWKV-4's channel mixing ``σ(receptance(x_r)) ⊙ value(relu(key(x_k))²)``, x_k / x_r the token-shifted mixes
+    (linear): ReLU² by the identity rule (the same as the half rule on relu · relu), the receptance gate by
+    :func:`mamba_captum.rules.sigmoid_gate`."""
+    hidden = _input(args, kwargs, "hidden")
+    if kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None):
+        raise NotImplementedError("mamba_captum: MambaLRP explains whole sequences (no state).")
+    shifted = F.pad(hidden, (0, 0, 1, -1))
+    mix = lambda mu: hidden * mu + shifted * (1 - mu)  # noqa: E731
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    key = F.linear(w(mix(module.time_mix_key)), w(module.key.weight), _bias(module.key, work_dtype))
+    key = rules.identity_rule(key, torch.relu(key.detach()).square())
+    value = F.linear(key, w(module.value.weight), _bias(module.value, work_dtype))
+    receptance = F.linear(w(mix(module.time_mix_receptance)), w(module.receptance.weight),
+                          _bias(module.receptance, work_dtype))
+    return rules.sigmoid_gate(receptance, value)
+
+
 def _bias(linear, dtype):
     return None if linear.bias is None else linear.bias.to(dtype)
 
@@ -173,6 +195,9 @@ def _check_experts(module) -> str | None:
     return None
 
 
+# model classes whose forward soft-caps the head's logits (PlannedRule.soft_cap): the config attribute of the cap
+SOFT_CAPPED_HEADS = {"RecurrentGemmaForCausalLM": "logits_soft_cap"}
+
 RULES = {
     "JambaMLP": glu_mlp, "JambaExperts": experts,
     "BambaMLP": glu_mlp,
@@ -180,6 +205,8 @@ RULES = {
     "FalconH1MLP": falcon_h1_mlp,
     "GraniteMoeHybridMLP": chunked_glu_mlp, "GraniteMoeHybridExperts": experts,
     "Zamba2MLP": zamba2_mlp,
+    "RwkvFeedForward": rwkv_channel_mixing,
+    "RecurrentGemmaMlp": glu_mlp,
 }
 
 
@@ -217,6 +244,10 @@ class PlannedRule:
     path: str
     rule: object = None
     located: object = None  # the LocatedMixer of a token mixer
+    # a model whose forward soft-caps its head's logits z, s = c · tanh(z / c), an op no hook reaches: its output's
+    # logits are replaced by the identity rule z · (s / z)̄ (same value), z recorded at ``head`` during the call
+    soft_cap: float | None = None
+    head: nn.Module | None = None
 
 
 def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
@@ -260,6 +291,10 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
                 f"{f', model type {model_type!r}' if model_type else ''}): its forward is not known to be linear, so "
                 "the relevance would not be conserved through it. Supported: Mamba, FalconMamba, Mamba-2 models "
                 "and the hybrids listed in docs/methods/lrp.md.")
+        cap_name = SOFT_CAPPED_HEADS.get(name)
+        if cap_name and getattr(module.config, cap_name, None):
+            planned.append(PlannedRule(module, path, soft_cap=float(getattr(module.config, cap_name)),
+                                       head=module.get_output_embeddings()))
         for child_name, child in module.named_children():
             visit(child, f"{path}.{child_name}" if path else child_name)
 
