@@ -148,7 +148,13 @@ CONSERVING = {"mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True),
               "nemotron_h": dict(mlp_bias=True, use_bias=True),
               "falcon_h1": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True, projectors_bias=True),
               "granitemoehybrid": dict(attention_bias=True, mamba_proj_bias=True),
-              "zamba2": dict(add_bias_linear=True), "rwkv": {}, "recurrent_gemma": {}}
+              "zamba2": dict(add_bias_linear=True), "rwkv": {}, "recurrent_gemma": {},
+              "zamba": {}, "qwen3_next": dict(attention_bias=True), "qwen3_5": dict(attention_bias=True),
+              "qwen3_5_moe": dict(attention_bias=True), "olmo_hybrid": dict(attention_bias=True),
+              "kimi_linear": dict(attention_bias=True), "bailing_hybrid": dict(attention_bias=True), "minimax": {},
+              "lfm2": dict(conv_bias=True), "lfm2_moe": dict(conv_bias=True), "lfm3": dict(conv_bias=True),
+              "xlstm": dict(use_bias=True)}
+NO_BIASES = {"minimax"}  # no bias anywhere in these configs
 
 
 @pytest.mark.parametrize("family", list(CONSERVING))
@@ -159,7 +165,7 @@ def test_conservation_with_biases(family):
     spread_biases(model)
     ids = torch.randint(3, 64, (1, 10))
     relevance, delta, share, modified, real = explain_with_share(model, ids)
-    assert abs(share) > 1e-4  # the biases matter here
+    assert abs(share) > 1e-4 or family in NO_BIASES  # the biases matter here
     # the sums' rounding: relative to the largest terms (LayerNorm's centring makes large cancelling relevances)
     scale = max(1.0, abs(float(modified)), abs(share), float(relevance.abs().sum()))
     assert abs(float(delta) + share) <= 1e-13 * scale
@@ -220,10 +226,12 @@ def test_mamba1_matches_a_reference_written_from_the_paper():
 
 
 # -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
-HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2"]
-MASKED = MAMBA1 + ["mamba2"] + HYBRIDS  # families whose mixers take attention_mask (left padding)
-RECURRENT = ["rwkv", "recurrent_gemma"]  # mixers that ignore attention_mask: right padding only
-SOFTMAX = set(HYBRIDS) | {"recurrent_gemma"}  # families with softmax attention layers
+HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "zamba"]
+LINEAR = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "lfm2",
+          "lfm2_moe", "lfm3"]
+MASKED = MAMBA1 + ["mamba2"] + HYBRIDS + LINEAR  # families whose mixers take attention_mask (left padding)
+RECURRENT = ["rwkv", "recurrent_gemma", "xlstm"]  # mixers that ignore attention_mask: right padding only
+SOFTMAX = set(HYBRIDS) | set(LINEAR) | {"recurrent_gemma"}  # families with softmax attention layers
 COVERED = MASKED + RECURRENT
 
 
@@ -385,3 +393,35 @@ def test_rwkv_sigmoid_gates_both_conserve():
     assert not torch.allclose(signal, half)
     with pytest.raises(ValueError, match="sigmoid_gates"):
         method.attribute(ids, target=TARGET, sigmoid_gates="identity")
+
+
+# -- what is not covered is refused, naming the module -----------------------------------------------------------------
+@pytest.mark.parametrize("family, named", [("glm5_next", "Glm5Next"), ("qwen4_exp", "Qwen4Exp")])
+def test_uncovered_families_are_refused_by_name(family, named):
+    model = make_model(family)
+    with pytest.raises(NotImplementedError, match=named):
+        mc.MambaLRP(model)
+    assert no_hooks_left(model)
+
+
+def test_nemotron_h_mixture_of_experts_is_refused():
+    blocks = ["linear_attention", "moe", "full_attention", "linear_attention"]
+    model = make_model("nemotron_h", layers_block_type=blocks, n_routed_experts=2,
+                       num_experts_per_tok=1, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                       n_group=1, topk_group=1)
+    with pytest.raises(NotImplementedError, match="NemotronHMoE"):
+        mc.MambaLRP(model)
+
+
+def test_vision_models_are_refused():
+    from tiny_models import make_vim
+
+    with pytest.raises(NotImplementedError, match="image models"):
+        mc.MambaLRP(make_vim())
+
+
+def test_an_inline_sigmoid_gate_refuses_the_half_rule():
+    model = make_model("qwen3_5")  # its attention multiplies by σ(gate) inside its forward
+    with pytest.raises(NotImplementedError, match="sigmoid_gates='signal'"):
+        mc.MambaLRP(model).attribute(torch.randint(3, 64, (1, 5)), target=TARGET, sigmoid_gates="half")
+    assert no_hooks_left(model) and torch.is_grad_enabled()

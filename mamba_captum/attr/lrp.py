@@ -104,7 +104,7 @@ class MambaLRP(GradientAttribution):
         return (out, delta) if return_convergence_delta else out
 
     def _explain(self, inputs, target, additional_forward_args, attention_mask, position, forward_kwargs,
-                 parameters=()):
+                 parameters=None):
         """(relevance, delta); with ``parameters`` (tensors that require grad, e.g. the biases) also
         Σ_p ⟨∂ Σ_b score_b / ∂p, p⟩ under the rules, their share of the explained scores (the tests' bias share)."""
         runner = self._runner
@@ -149,7 +149,7 @@ class MambaLRP(GradientAttribution):
                     if not picked.requires_grad:
                         raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (a forward_func "
                                            "that detaches them, or runs the model under torch.no_grad).")
-                    grad, *parameter_grads = torch.autograd.grad(picked.sum(), [leaf, *parameters],
+                    grad, *parameter_grads = torch.autograd.grad(picked.sum(), [leaf, *(parameters or ())],
                                                                  allow_unused=True)
             finally:
                 runner._active.discard(forward)
@@ -160,7 +160,7 @@ class MambaLRP(GradientAttribution):
         token = per_feature.sum(-1)
         delta = token.to(torch.float64).sum(-1) - picked.detach().to(torch.float64)
         relevance = per_feature.to(inputs.dtype) if floating else token
-        if parameters:
+        if parameters is not None:
             share = sum(float((g.double() * p.detach().double()).sum()) for g, p in zip(parameter_grads, parameters)
                         if g is not None)
             return relevance, delta, share
@@ -182,4 +182,5 @@ class MambaLRP(GradientAttribution):
         missing = [p.path for p in plan if p.located is not None and not forward.calls.get(id(p))]
         if missing:
             raise RuntimeError(f"mamba_captum: the token mixers {missing} did not run under MambaLRP's rules in this "
-                               "thread's forward pass; explain the HF model itself, with the whole sequence in one call.")
+                               "thread's forward pass; explain the HF model itself, with the whole sequence in one "
+                               "call.")

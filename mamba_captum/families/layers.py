@@ -55,21 +55,47 @@ LINEAR_CONTAINERS = {
     "RwkvForCausalLM", "RwkvModel", "RwkvBlock",
     # RecurrentGemma (embeddings × a constant; the logits' soft cap has its rule on the head, SOFT_CAPPED_HEADS)
     "RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaDecoderLayer", "RecurrentGemmaAttention",
+    # the linear families' hybrids (the gated attentions' sigmoid gates: SIGNAL_GATE_INPUTS)
+    "Qwen3_5ForCausalLM", "Qwen3_5TextModel", "Qwen3_5DecoderLayer", "Qwen3_5Attention",
+    "OlmoHybridForCausalLM", "OlmoHybridModel", "OlmoHybridAttentionDecoderLayer",
+    "OlmoHybridLinearAttentionDecoderLayer", "OlmoHybridAttention",
+    "Lfm2ForCausalLM", "Lfm2Model", "Lfm2DecoderLayer", "Lfm2Attention",
+    "Lfm3ForCausalLM", "Lfm3Model", "Lfm3DecoderLayer", "Lfm3Attention",
+    "MiniMaxForCausalLM", "MiniMaxModel", "MiniMaxDecoderLayer", "MiniMaxAttention", "MiniMaxSparseMoeBlock",
+    "xLSTMForCausalLM", "xLSTMModel", "xLSTMBlock",
+    "Qwen3NextForCausalLM", "Qwen3NextModel", "Qwen3NextDecoderLayer", "Qwen3NextAttention",
+    "Qwen3NextSparseMoeBlock",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "Qwen3_5MoeDecoderLayer", "Qwen3_5MoeAttention",
+    "Qwen3_5MoeSparseMoeBlock",
+    "Lfm2MoeForCausalLM", "Lfm2MoeModel", "Lfm2MoeDecoderLayer", "Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock",
+    # KDA hybrids (multi-head latent attention: the latent's RMS norm has its rule; keys are in P)
+    "KimiLinearForCausalLM", "KimiLinearModel", "KimiLinearDecoderLayer", "KimiLinearAttention", "KimiLinearMoE",
+    "BailingHybridForCausalLM", "BailingHybridModel", "BailingHybridDecoderLayer", "BailingHybridAttention",
+    "BailingHybridMoE",
+    # Zamba (v1): the shared attention block reads the stream concatenated with the embeddings
+    "ZambaForCausalLM", "ZambaModel", "ZambaHybridLayer", "ZambaMambaDecoderLayer", "ZambaAttentionDecoderLayer",
+    "ZambaAttention",
 }
 
 # Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
 # the routing weights (detached by the experts' rule) and the experts' indices.
 NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
-NO_RELEVANCE_PATH = {"JambaTopKRouter", "GraniteMoeHybridTopKRouter"}
+NO_RELEVANCE_PATH = {"JambaTopKRouter", "GraniteMoeHybridTopKRouter", "MiniMaxTopKRouter", "Qwen3NextTopKRouter",
+                     "Qwen3_5MoeTopKRouter", "Lfm2MoeTopKRouter", "KimiLinearTopkRouter", "BailingHybridTopkRouter"}
 
 def _input(args, kwargs, name="hidden_states"):
     return args[0] if args else kwargs[name]
 
 
 def rms_norm(module, args, kwargs, output, work_dtype):
-    """An RMS norm: the normaliser detached (``x · (y / x)̄``, whatever the weight's form)."""
-    x = _input(args, kwargs)
-    return rules.rms_norm_rule(x.to(work_dtype), output.to(work_dtype))
+    """An RMS norm: the normaliser detached (``x · (y / x)̄``, whatever the weight's form); a bias (xLSTM's, when
+    configured) stays a constant: ``x · ((y − b) / x)̄ + b``."""
+    x = _input(args, kwargs).to(work_dtype)
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias = bias.to(work_dtype)
+        return rules.rms_norm_rule(x, output.to(work_dtype) - bias) + bias
+    return rules.rms_norm_rule(x, output.to(work_dtype))
 
 
 def layer_norm(module, args, kwargs, output, work_dtype):
@@ -155,6 +181,38 @@ def rwkv_channel_mixing(module, args, kwargs, output, work_dtype):
     return rules.sigmoid_gate(receptance, value)
 
 
+def lfm_mlp(module, args, kwargs, output, work_dtype):
+    """LFM2 / LFM3's gated MLP ``w2(silu(w1 x) ⊙ w3 x)``: identity and half rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.w1.weight.to(work_dtype), _bias(module.w1, work_dtype))
+    up = F.linear(x, module.w3.weight.to(work_dtype), _bias(module.w3, work_dtype))
+    return F.linear(rules.half_product(rules.silu_rule(gate), up), module.w2.weight.to(work_dtype),
+                    _bias(module.w2, work_dtype))
+
+
+def xlstm_feed_forward(module, args, kwargs, output, work_dtype):
+    """xLSTM's gated feed-forward ``down(silu(gate) ⊙ z)`` (single or fused up-projections): identity and half
+    rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    lin = lambda layer, t: F.linear(t, layer.weight.to(work_dtype), _bias(layer, work_dtype))  # noqa: E731
+    if module.config.weight_mode == "single":
+        gate, z = lin(module.proj_up_gate, x), lin(module.proj_up, x)
+    else:
+        gate, z = torch.tensor_split(lin(module.proj_up_gate_z, x), (module.up_proj_dim,), dim=-1)
+    return lin(module.proj_down, rules.half_product(_activation_rule(module.act_fn, gate), z))
+
+
+def signal_gate_input(module, args, kwargs, output, work_dtype):
+    """The input of a sigmoid gate written inside another module's forward (Qwen3.5's and LFM3's gated attention:
+    ``attn ⊙ σ(g)``), detached: the gate takes no relevance (``sigmoid_gates="signal"``; the half rule cannot be
+    applied to an op no hook reaches)."""
+    if rules._SIGMOID_GATES.get() != "signal":
+        raise NotImplementedError(f"mamba_captum: the sigmoid output gate of this attention ({type(module).__name__} "
+                                  "feeds it) sits inside the attention's forward, where only sigmoid_gates='signal' "
+                                  "can be applied.")
+    return output.detach().to(work_dtype)
+
+
 def _bias(linear, dtype):
     return None if linear.bias is None else linear.bias.to(dtype)
 
@@ -196,7 +254,7 @@ def _check_experts(module) -> str | None:
 
 
 # model classes whose forward soft-caps the head's logits (PlannedRule.soft_cap): the config attribute of the cap
-SOFT_CAPPED_HEADS = {"RecurrentGemmaForCausalLM": "logits_soft_cap"}
+SOFT_CAPPED_HEADS = {"RecurrentGemmaForCausalLM": "logits_soft_cap", "xLSTMForCausalLM": "output_logit_soft_cap"}
 
 RULES = {
     "JambaMLP": glu_mlp, "JambaExperts": experts,
@@ -207,7 +265,23 @@ RULES = {
     "Zamba2MLP": zamba2_mlp,
     "RwkvFeedForward": rwkv_channel_mixing,
     "RecurrentGemmaMlp": glu_mlp,
+    "Qwen3_5MLP": glu_mlp, "OlmoHybridMLP": glu_mlp,
+    "Lfm2MLP": lfm_mlp, "Lfm3MLP": lfm_mlp,
+    "MiniMaxExperts": experts,
+    "xLSTMFeedForward": xlstm_feed_forward,
+    "Qwen3NextMLP": glu_mlp, "Qwen3NextExperts": experts,
+    "Qwen3_5MoeMLP": glu_mlp, "Qwen3_5MoeExperts": experts,
+    "Lfm2MoeMLP": lfm_mlp, "Lfm2MoeExperts": experts,
+    "KimiLinearMLP": glu_mlp, "KimiLinearExperts": experts,
+    "BailingHybridMLP": glu_mlp, "BailingHybridExperts": experts,
+    "ZambaMLP": glu_mlp,
 }
+
+# (container class, child attribute): a child whose output only feeds a sigmoid gate (and the softmax's detached
+# queries) inside the container's own forward; planned with :func:`signal_gate_input`
+SIGNAL_GATE_INPUTS = {("Qwen3_5Attention", "q_proj"), ("Lfm3Attention", "g_proj"), ("Qwen3NextAttention", "q_proj"),
+                      ("Qwen3NextSparseMoeBlock", "shared_expert_gate"), ("Qwen3_5MoeAttention", "q_proj"),
+                      ("Qwen3_5MoeSparseMoeBlock", "shared_expert_gate"), ("BailingHybridAttention", "g_proj")}
 
 
 def rule_for(module: nn.Module):
@@ -296,7 +370,12 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
             planned.append(PlannedRule(module, path, soft_cap=float(getattr(module.config, cap_name)),
                                        head=module.get_output_embeddings()))
         for child_name, child in module.named_children():
-            visit(child, f"{path}.{child_name}" if path else child_name)
+            child_path = f"{path}.{child_name}" if path else child_name
+            if (name, child_name) in SIGNAL_GATE_INPUTS and id(child) not in seen:
+                seen.add(id(child))
+                planned.append(PlannedRule(child, child_path, signal_gate_input))
+                continue
+            visit(child, child_path)
 
     visit(model, "")
     return planned
