@@ -413,6 +413,13 @@ def test_nemotron_h_mixture_of_experts_is_refused():
         mc.MambaLRP(model)
 
 
+def test_zaya_is_refused_with_the_reason():
+    from test_conv_attention import zaya
+
+    with pytest.raises(NotImplementedError, match="ZAYA's attention convolves its values"):
+        mc.MambaLRP(zaya())
+
+
 def test_vision_models_are_refused():
     from tiny_models import make_vim
 

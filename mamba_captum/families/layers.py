@@ -333,6 +333,12 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
     """
     by_module = {id(m.module): m for m in mixers}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for located in mixers:  # a token mixer without rules is the most telling refusal: name its family's reason
+        if not hasattr(located.adapter, "lrp"):
+            raise NotImplementedError(
+                f"mamba_captum: MambaLRP has no rules for the token mixer {type(located.module).__name__} "
+                f"({located.name}{f', model type {model_type!r}' if model_type else ''}) yet: "
+                f"{getattr(located.adapter, 'LRP_UNSUPPORTED', 'its family is not covered')}.")
     planned: list[PlannedRule] = []
     seen: set[int] = set()  # a module shared by several layers (Zamba2's shared block) is planned once
 
@@ -342,11 +348,6 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
         seen.add(id(module))
         located = by_module.get(id(module))
         if located is not None:
-            if not hasattr(located.adapter, "lrp"):
-                raise NotImplementedError(
-                    f"mamba_captum: MambaLRP has no rules for the token mixer {type(module).__name__} ({path}"
-                    f"{f', model type {model_type!r}' if model_type else ''}) yet: "
-                    f"{getattr(located.adapter, 'LRP_UNSUPPORTED', 'its family is not covered')}.")
             planned.append(PlannedRule(module, path, located=located))
             return
         rule = rule_for(module)
@@ -363,8 +364,8 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
             raise NotImplementedError(
                 f"mamba_captum: MambaLRP has no rule for {name} ({path or 'the model'}"
                 f"{f', model type {model_type!r}' if model_type else ''}): its forward is not known to be linear, so "
-                "the relevance would not be conserved through it. Supported: Mamba, FalconMamba, Mamba-2 models "
-                "and the hybrids listed in docs/methods/lrp.md.")
+                "the relevance would not be conserved through it. The covered models are listed in "
+                "docs/methods/lrp.md.")
         cap_name = SOFT_CAPPED_HEADS.get(name)
         if cap_name and getattr(module.config, cap_name, None):
             planned.append(PlannedRule(module, path, soft_cap=float(getattr(module.config, cap_name)),
