@@ -432,3 +432,22 @@ def test_an_inline_sigmoid_gate_refuses_the_half_rule():
     with pytest.raises(NotImplementedError, match="sigmoid_gates='signal'"):
         mc.MambaLRP(model).attribute(torch.randint(3, 64, (1, 5)), target=TARGET, sigmoid_gates="half")
     assert no_hooks_left(model) and torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_half_precision_conserves_to_its_rounding(family, dtype, bound):
+    model = make_model(family, dtype=dtype)
+    ids = torch.randint(3, 64, (2, 8))
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert relevance.dtype == torch.float32
+    assert (delta.abs() <= bound * relevance.abs().sum(-1)).all()
+
+
+def test_train_mode_dropout_is_refused_and_train_mode_without_it_works():
+    ids = torch.randint(3, 64, (1, 5))
+    with pytest.raises(ValueError, match="eval"):
+        mc.MambaLRP(make_model("jamba", attention_dropout=0.1).train()).attribute(ids, target=1)
+    model = make_model("mamba").train()
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=1, return_convergence_delta=True)
+    assert model.training and abs(float(delta)) <= 1e-5 * max(1.0, float(relevance.abs().sum()))

@@ -26,6 +26,13 @@ from ..session import session
 from ._explain import Runner, format_inputs, format_mask, format_positions, format_targets
 
 
+def _drops(module) -> bool:
+    """Whether the module drops activations at random (in train() mode): dropout, or attention dropout."""
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    return bool(getattr(module, "attention_dropout", 0))
+
+
 class MambaLRP(GradientAttribution):
     """MambaLRP: gradient × input of the model's forward under conservative LRP rules.
 
@@ -110,6 +117,10 @@ class MambaLRP(GradientAttribution):
         runner = self._runner
         runner.refresh()
         plan = lrp_plan(self.model, runner.mixers)
+        random = [name for name, module in self.model.named_modules() if module.training and _drops(module)]
+        if random:
+            raise ValueError(f"mamba_captum: {random[0]} drops activations at random in train() mode; the rules "
+                             "recompute the layers, which would draw other masks. Explain the model in eval() mode.")
         if torch.is_inference_mode_enabled():
             raise RuntimeError("mamba_captum: MambaLRP takes gradients, which torch.inference_mode() forbids; call "
                                "it outside inference_mode (the library switches gradients on for its own forward).")
@@ -156,10 +167,11 @@ class MambaLRP(GradientAttribution):
         if grad is None:
             grad = torch.zeros_like(leaf)
         check_finite(grad, "the gradients of the explained scores under MambaLRP's rules", self.model)
-        per_feature = (grad * leaf).detach()
+        per_feature = grad.detach().double() * leaf.detach().double()  # sums in float64 whatever the model's dtype
         token = per_feature.sum(-1)
-        delta = token.to(torch.float64).sum(-1) - picked.detach().to(torch.float64)
-        relevance = per_feature.to(inputs.dtype) if floating else token
+        delta = token.sum(-1) - picked.detach().double()
+        relevance = per_feature.to(inputs.dtype) if floating else token.to(
+            torch.float64 if model_dtype == torch.float64 else torch.float32)
         if parameters is not None:
             share = sum(float((g.double() * p.detach().double()).sum()) for g, p in zip(parameter_grads, parameters)
                         if g is not None)
