@@ -12,7 +12,7 @@ from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords,
                      nonfinite_parameters, unwrap_parallel)
 from .fast_scans import fast_scans
 from .families import softmax
-from .operators import REDUCTIONS, SumOperator, operator_output_grad
+from .operators import REDUCTIONS, ComposedOperator, SumOperator, operator_output_grad
 from .session import session
 from .vision.layout import check_packed, check_pixels, packed_tower, vision_layout
 
@@ -30,25 +30,28 @@ class ReconstructionError(RuntimeError):
     """The operator rebuilt for a layer does not reproduce that layer's real output."""
 
 
-class SharedAttentionKey(str):
-    """The map key of Zamba2's shared attention block run inside decoder layer ``i``: the string
-    ``"{i}.shared_attention"``, ordered just before the int key ``i`` (so ``sorted(maps)`` is execution order,
-    next to the int keys of the other layers). Equal to, and hashed as, the plain string."""
+class LayerPartKey(str):
+    """The map key of a token mixer run inside decoder layer ``layer`` besides the one under the int key ``layer``:
+    the string ``"{layer}.{part}"``, ordered just after the int key ``layer`` (so ``sorted(maps)`` is execution
+    order, next to the int keys of the other layers). Inkling's convolution after the MLP (``"{i}.mlp_sconv"``,
+    Inkling2's ``"{i}.post_mlp_convolution"``). Equal to, and hashed as, the plain string."""
 
-    def __new__(cls, layer: int):
-        key = super().__new__(cls, f"{layer}.shared_attention")
-        key.layer = int(layer)
+    ORDER = 2  # relative to the int key of the same layer (1)
+
+    def __new__(cls, layer: int, part: str):
+        key = super().__new__(cls, f"{layer}.{part}")
+        key.layer, key.part = int(layer), str(part)
         return key
 
-    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index
-        return (self.layer,)
+    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index and the part
+        return (self.layer, self.part)
 
     @staticmethod
     def _rank(key):
-        if isinstance(key, SharedAttentionKey):
-            return (key.layer, 0)
+        if isinstance(key, LayerPartKey):
+            return (key.layer, key.ORDER, key.part)
         if isinstance(key, int) and not isinstance(key, bool):
-            return (key, 1)
+            return (key, 1, "")
         return None
 
     def _compare(self, other, op):
@@ -74,8 +77,22 @@ class SharedAttentionKey(str):
     __ne__ = str.__ne__
 
 
+class SharedAttentionKey(LayerPartKey):
+    """The map key of Zamba2's shared attention block run inside decoder layer ``i``: the string
+    ``"{i}.shared_attention"``, ordered just before the int key ``i`` (so ``sorted(maps)`` is execution order,
+    next to the int keys of the other layers). Equal to, and hashed as, the plain string."""
+
+    ORDER = 0
+
+    def __new__(cls, layer: int):
+        return super().__new__(cls, layer, "shared_attention")
+
+    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index
+        return (self.layer,)
+
+
 # Maps saved with torch.save load back under torch.load's default weights_only=True.
-torch.serialization.add_safe_globals([SharedAttentionKey])
+torch.serialization.add_safe_globals([SharedAttentionKey, LayerPartKey])
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -301,12 +318,14 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
         mixer_calls.setdefault(call.located.layer, []).append(call)
 
     for index in sorted(set(attention_calls) | set(mixer_calls)):
+        calls = mixer_calls.get(index, [])
         # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
         # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
-        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in mixer_calls.get(index, ()))
-        if (len(attention_calls.get(index, ())) > 1 and not segmented) or len(mixer_calls.get(index, ())) > 1:
+        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in calls)
+        if (len(attention_calls.get(index, ())) > 1 and not segmented) \
+                or len({c.located.name for c in calls}) < len(calls):
             raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
-        attention = ssm = attention_grads = ssm_grads = attention_error = None
+        attention = ssm = attention_grads = attention_error = None
         attentions = []
         for call in attention_calls.get(index, ()):
             attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
@@ -321,42 +340,77 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
                            token_mask, module=call.module, layer_input=call.value)
             attention_error = error if attention_error is None else max(attention_error, error)
-        for call in mixer_calls.get(index, ()):
-            _check_no_dropout(f"layer {index} ({call.located.name})", call.located.module)
-            if call.attention_mask is None and getattr(call.located.adapter, "IGNORES_ATTENTION_MASK", False):
+        parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
+        for call in calls:
+            located = call.located
+            _check_no_dropout(f"layer {index} ({located.name})", located.module)
+            if call.attention_mask is None and getattr(located.adapter, "IGNORES_ATTENTION_MASK", False):
                 call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
-            _check_hooked(f"layer {index} ({call.located.name})", call, dtype)
-            if getattr(call.located.adapter, "CONSUMES_ATTENTION", False):
-                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments): the adapter
-                # explains the whole mixer from the probabilities of its attention calls, which are then not maps
-                # of their own
+            _check_hooked(f"layer {index} ({located.name})", call, dtype)
+            if _consumes_attention(located):
+                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments, Inkling's
+                # convolved values): the adapter explains the whole mixer from the probabilities of its attention
+                # calls, which are then not maps of their own
                 if attention is None:
-                    raise RuntimeError(f"mamba_captum: layer {index} ({call.located.name}) called no attention "
+                    raise RuntimeError(f"mamba_captum: layer {index} ({located.name}) called no attention "
                                        "interface that the capture could see; not supported.")
-                ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64,
-                                                            attention=attentions if segmented else attention)
-                attention = attention_grads = None
+                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64,
+                                                       attention=attentions if segmented else attention)
+                consumed_error, attention, attention_grads = attention_error, None, None
             else:
-                ssm, rebuilt = call.located.adapter.rebuild(call, formulation, kept, torch.float64)
-            ssm_grads = _operator_grads(ssm, call)
-            ssm_error = _check(f"layer {index} ({call.located.name}, {type(call.located.module).__name__})",
-                               call.output, rebuilt, dtype, module=call.located.module,
-                               layer_input=call.hidden_states)
-            if attention is None and attention_error is not None:
-                ssm_error = max(ssm_error, attention_error)  # the probabilities were checked too
+                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64)
+                consumed_error = None
+            # a mixer around softmax attention is compared on its real rows, as the attention is: what fully masked
+            # (pad) query rows give depends on the attention implementation's convention
+            ssm_error = _check(f"layer {index} ({located.name}, {type(located.module).__name__})",
+                               call.output, rebuilt, dtype, None if consumed_error is None else token_mask,
+                               module=located.module, layer_input=call.hidden_states)
+            if consumed_error is not None:
+                ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
+            if located.follows is not None:
+                # no residual between this mixer and the one whose output it takes: one token mixer, composed
+                previous = next((part for part in parts if part[0] == located.follows), None)
+                if previous is None or not _same_tensor(call.hidden_states, previous[3].output):
+                    raise ReconstructionError(
+                        f"mamba_captum: {located.name} ({type(located.module).__name__}) did not receive the output "
+                        f"of {located.follows} as its input (a hook that replaces that output, or another layout of "
+                        "the layer); its operator would not compose with that mixer's. Remove the hook, or report "
+                        "the model class and config.")
+                previous[1] = ComposedOperator.of(previous[1], ssm)
+                previous[2], previous[3] = max(previous[2], ssm_error), call
+                continue
+            parts.append([located.name, ssm, ssm_error, call])
         layer = decoder_layers[index]
-        if ssm is not None and attention is not None and hasattr(layer, "ssm_out_multiplier"):
+        if len(parts) == 1 and attention is not None and hasattr(layer, "ssm_out_multiplier"):
             # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
+            ssm, ssm_error, ssm_grads = parts[0][1], parts[0][2], _operator_grads(parts[0][1], parts[0][3])
             combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
                                                                                attention)])
             grads = None if ssm_grads is None else [list(pair) for pair in zip(ssm_grads, attention_grads)]
             yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
             continue
         if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
-            yield (SharedAttentionKey(index) if ssm is not None else index), attention.to(work_dtype), \
+            yield (SharedAttentionKey(index) if parts else index), attention.to(work_dtype), \
                 attention_error, attention_grads
-        if ssm is not None:
-            yield index, ssm.to(work_dtype), ssm_error, ssm_grads
+        for number, (name, operator, error, call) in enumerate(parts):
+            key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
+            yield key, operator.to(work_dtype), error, _operator_grads(operator, call)
+
+
+def _consumes_attention(located) -> bool:
+    """Whether the mixer's adapter explains it from its attention-interface calls: ``CONSUMES_ATTENTION`` True (the
+    adapter's every class) or the class names that do (an adapter module with an attention and a convolution)."""
+    consumes = getattr(located.adapter, "CONSUMES_ATTENTION", False)
+    return consumes is True or (not isinstance(consumes, bool) and type(located.module).__name__ in consumes)
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same values (the same storage for recorded forwards; equal values else)."""
+    if a.shape != b.shape:
+        return False
+    if a.data_ptr() == b.data_ptr() and a.stride() == b.stride():
+        return True
+    return bool(torch.equal(a, b))
 
 
 def build_operators(model, input_ids=None, attention_mask=None, *, formulation="unified", layers=None,
@@ -368,9 +422,9 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
 
     Returns:
         (operators, output, errors): ``operators`` maps a layer key (decoder-layer index; for Zamba2's shared
-        attention block, ``"{i}.shared_attention"``) to its operator (:mod:`mamba_captum.operators`), in execution
-        order; ``output`` is the model's output; ``errors`` maps the same keys to the relative error of the layer
-        output rebuilt from the operator.
+        attention block, ``"{i}.shared_attention"``; for Inkling's MLP branch, ``"{i}.mlp_sconv"``) to its operator
+        (:mod:`mamba_captum.operators`), in execution order; ``output`` is the model's output; ``errors`` maps the
+        same keys to the relative error of the layer output rebuilt from the operator.
     """
     operators, errors = {}, {}
     model = unwrap_parallel(model)
@@ -415,7 +469,10 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         their head-mean (head-wise with ``reduce=None``) probabilities; FalconH1 layers give the sum of their two
         parts scaled by the layer's output multipliers; Zamba2's shared attention block appears under the key
         ``"{i}.shared_attention"`` (a :class:`SharedAttentionKey`, which sorts just before ``i``) just before
-        layer ``i``. Float32, or float64 for float64 models. Rows and
+        layer ``i``; Inkling's and Inkling2's decoder layers give their attention branch (the attention composed
+        with the convolution after o_proj; with ``reduce=None`` its D·C paths d ← c, d major) under ``i`` and their
+        MLP branch's convolution under ``"{i}.mlp_sconv"`` / ``"{i}.post_mlp_convolution"`` (a
+        :class:`LayerPartKey`, which sorts just after ``i``). Float32, or float64 for float64 models. Rows and
         columns of padding tokens are zero.
 
     Raises:

@@ -285,7 +285,7 @@ def _matrices(args):
                          f"the most is {MAX_MAP_PIXELS}: {advice}.")
     (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
     for layer, matrix in item.layer_maps.items():
-        # Zamba2's shared attention block has the key "{i}.shared_attention"
+        # Zamba2's shared attention block has the key "{i}.shared_attention", Inkling's MLP branch "{i}.mlp_sconv"
         name = f"layer_{layer:02d}" if isinstance(layer, int) else f"layer_{str(layer).replace('.', '_')}"
         (args.out_dir / f"{name}.png").write_bytes(map_png(matrix, args.scale))
     (args.out_dir / "tokens.json").write_text(json.dumps(item.tokens) + "\n")

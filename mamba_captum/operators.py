@@ -38,6 +38,32 @@ def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torc
     return maps * (row_mask if maps.dim() == 3 else row_mask[:, None])
 
 
+def band_entries(row_weight, col_weight, conv_weight, input_weight=None):
+    """The non-zero entries of the per-channel bands ``H_c = diag(row_c · col_c) · M_c · diag(in_c)``:
+    ``bands[b, i, c, τ] = H_c[i, i − τ]`` (B, L, D, K); the entries that would reach before token 0 are 0.
+
+    Args:
+        row_weight, col_weight: (B, L, D).  conv_weight: (D, K) static taps, (B, L, D, K) per-row taps (row i's
+            taps: the conv's output token i has its own weights, Inkling2's dynamic convolution), or None
+            (identity). Taps run forward in time: ``conv_weight[..., K−1]`` weighs the token itself.
+        input_weight: (B, L, D) or None: a weight on the conv's input (LFM2's input gate).
+    """
+    diag = row_weight * col_weight  # (B, L, D)
+    batch, length, channels = diag.shape
+    taps = conv_weight.flip(-1) if conv_weight is not None else diag.new_ones(channels, 1)  # taps[.., τ] = w[K-1-τ]
+    bands = diag[:, :, :, None] * taps  # (B, L, D, K): H_c[i, i - τ]
+    width = taps.shape[-1]
+    if input_weight is not None or width > length:
+        shifted = torch.zeros_like(bands)
+        for tau in range(min(width, length)):
+            shifted[:, tau:, :, tau] = 1.0 if input_weight is None else input_weight[:, :length - tau]
+        bands = bands * shifted
+    else:
+        for tau in range(1, width):
+            bands[:, :tau, :, tau] = 0.0
+    return bands
+
+
 def causal_neighbours(taps: int, length: int, device=None) -> torch.Tensor:
     """(K, L) long: the token that tap τ of a causal 1-D conv reads for output token i, ``i − τ``, or −1 before the
     first token (tap τ weighs ``w[K−1−τ]``)."""
@@ -69,7 +95,9 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", i
     reduced maps are reduced tap by tap, without a per-channel (D, L, L) stack.
 
     Args:
-        row_weight, col_weight: (B, L, D).  conv_weight: (D, K) or None (identity; ``neighbours`` then ignored).
+        row_weight, col_weight: (B, L, D).  conv_weight: (D, K), per-row (B, L, D, K) (the output token i has its
+            own taps, Inkling2's dynamic convolution; :func:`band_entries`), or None (identity; ``neighbours`` then
+            ignored).
         input_weight: (B, L, D) or None: a weight on the conv's input (LFM2's input gate).
         neighbours: (T, L) long, −1 where a tap reads no token (outside the sequence or the frame), or None. With
             it, conv_weight is (D, T) in the same tap order (not flipped). For each i the taps' tokens are distinct.
@@ -82,15 +110,17 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", i
         taps, neighbours = diag.new_ones(channels, 1), torch.arange(length, device=diag.device)[None]
     elif neighbours is None:
         taps = conv_weight.flip(-1)  # taps[c, τ] = w[c, K-1-τ]
-        neighbours = causal_neighbours(min(taps.shape[1], length), length, diag.device)
+        neighbours = causal_neighbours(min(taps.shape[-1], length), length, diag.device)
     else:
         taps, neighbours = conv_weight, neighbours.to(diag.device)
+    per_row = taps.dim() == 4  # (B, L, D, T): row i's own taps
     index = torch.arange(length, device=diag.device)
     maps = diag.new_zeros(batch, 1 if reduce is not None else channels, length, length)
     for tau in range(neighbours.shape[0]):
         valid = neighbours[tau] >= 0
         out_rows, in_tokens = index[valid], neighbours[tau][valid]
-        band = diag[:, out_rows] * taps[:, tau]  # (B, n, D): H_c[i, neighbours[τ, i]]
+        weight = taps[:, out_rows, :, tau] if per_row else taps[:, tau]
+        band = diag[:, out_rows] * weight  # (B, n, D): H_c[i, neighbours[τ, i]]
         if input_weight is not None:
             band = band * input_weight[:, in_tokens]
         band = band.transpose(1, 2)  # (B, D, n)
@@ -100,6 +130,30 @@ def banded_maps(row_weight, col_weight, conv_weight, rows=None, reduce="mean", i
     if rows is not None:
         maps = maps[:, :, rows]
     return maps if reduce is None else maps[:, 0]
+
+
+def causal_band(values: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+    """A depthwise causal conv without bias: ``out[t] = Σ_τ taps[..., K−1−τ] · values[t − τ]`` (zero before token 0).
+
+    Args:
+        values: (B, L, *channels).  taps: (*channels, K) static, or (B, L, *channels, K) per row (the output token
+            t has its own taps, Inkling2's dynamic convolution); ``taps[..., K−1]`` weighs the token itself.
+    """
+    width, length = taps.shape[-1], values.shape[1]
+    per_row = taps.dim() == values.dim() + 1
+    out = values * taps[..., width - 1]
+    for tau in range(1, min(width, length)):
+        weight = taps[..., width - 1 - tau]
+        out[:, tau:] += values[:, :length - tau] * (weight[:, tau:] if per_row else weight)
+    return out
+
+
+def skip_taps(weight: torch.Tensor, scale: float = 1.0, conv: bool = True) -> torch.Tensor:
+    """The taps of ``scale · (x + conv(x))`` (Inkling's short convolutions): the conv's taps (..., K) with the skip
+    added to the token's own tap (``[..., K−1]``); only the skip with ``conv=False`` (the conv switched off)."""
+    taps = weight.clone() if conv else torch.zeros_like(weight)
+    taps[..., -1] += 1.0
+    return taps * scale
 
 
 def operator_output_grad(operator, grad_output: torch.Tensor) -> torch.Tensor:
@@ -574,7 +628,7 @@ class HeadOperator:
     head_dim: int  # P, the value channels of one head
     row_weight: torch.Tensor | None = None  # (B, L, H, P) norm scale · output gate
     col_weight: torch.Tensor | None = None  # (B, L, H, P) activation gain · mask
-    conv_weight: torch.Tensor | None = None  # (H, P, K) bias-free causal conv on the values
+    conv_weight: torch.Tensor | None = None  # (H, P, K) bias-free causal conv on the values, or (B, L, H, P, K) per-row
     input_weight: torch.Tensor | None = None  # (B, L, H, P) a weight before the conv (LFM2's input gate); band only
     neighbours: torch.Tensor | None = None  # (T, L) long: the token each of T conv taps reads (banded_maps); band only
     s6: bool = True  # False: the core switched off
@@ -617,15 +671,59 @@ class HeadOperator:
         if core is None:
             ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
             flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731
-            return banded_maps(flat(row), flat(col), None if conv is None else conv.flatten(0, 1).to(self.out_dtype),
+            return banded_maps(flat(row), flat(col), None if conv is None else conv.flatten(-3, -2).to(self.out_dtype),
                                rows, reduce, input_weight=None if inputs is None else flat(inputs),
                                neighbours=self.neighbours)
         if inputs is not None or self.neighbours is not None:
             raise ValueError("mamba_captum: input_weight (a weight before the conv) and neighbours (a conv that is "
                              "not the causal 1-D band) are defined for the band only.")
+        if conv is not None and conv.dim() == 5:
+            return self._per_row_conv_maps(core, row, col, conv, rows, reduce)
         return head_maps_blocked(core.rows, batch=batch, length=length, heads=self.heads, row_weight=row,
                                  col_weight=col, conv_weight=conv, rows=rows, reduce=reduce, dtype=self.out_dtype,
                                  device=device)
+
+    def _per_row_conv_maps(self, core, row, col, conv, rows, reduce):
+        """Maps with per-row conv taps (B, L, H, P, K): tap by tap, each a column weight of the core's maps shifted by
+        τ columns (:func:`post_conv_columns`, linear in the channels); "abs_mean" head by head from per-channel
+        slabs, so that |·| is taken after the taps are summed."""
+        batch, length, device = self._shape()
+        col = torch.ones(batch, length, self.heads, self.head_dim, dtype=self.out_dtype, device=device) \
+            if col is None else col.to(self.out_dtype)
+        ones = torch.ones_like(col)
+
+        def maps(alpha_rows, heads, r, c, how):
+            return head_maps_blocked(alpha_rows, batch=batch, length=length, heads=heads, row_weight=r, col_weight=c,
+                                     rows=rows, reduce=how, dtype=self.out_dtype, device=device)
+
+        if reduce != "abs_mean":
+            return post_conv_columns(lambda r, c: maps(core.rows, self.heads, r, c, reduce), row, col, ones, conv,
+                                     length)
+        total = 0
+        for h in range(self.heads):
+            part = slice(h, h + 1)
+            slab = post_conv_columns(
+                lambda r, c, part=part: maps(lambda b, q: core.rows(b, q)[part], 1, r, c, None),
+                None if row is None else row[:, :, part], col[:, :, part], ones[:, :, part], conv[:, :, part],
+                length)  # (B, P, R, L)
+            total = total + slab.abs().sum(1)
+        return total / (self.heads * self.head_dim)
+
+    def band(self) -> torch.Tensor:
+        """The band's entries ``bands[b, i, c, τ] = H_c[i, i − τ]`` (B, L, C, K) of an operator without a core
+        (masked rows and columns 0): what :class:`ComposedOperator` reads of a band that follows another mixer."""
+        if self._active_core is not None or self.neighbours is not None:
+            raise ValueError("mamba_captum: band() is defined for a causal 1-D band without a core.")
+        batch, length, device = self._shape()
+        ones = torch.ones(batch, length, self.heads * self.head_dim, dtype=self.out_dtype, device=device)
+        flat = lambda w: ones if w is None else w.flatten(2).to(self.out_dtype)  # noqa: E731
+        conv = None if self.conv_weight is None else self.conv_weight.flatten(-3, -2).to(self.out_dtype)
+        inputs = flat(self.input_weight) if self.input_weight is not None else None
+        if self.mask is not None:  # pads neither read nor are read
+            mask = self.mask.to(self.out_dtype)[:, :, None]
+            inputs = mask if inputs is None else inputs * mask
+        bands = band_entries(flat(self.row_weight), flat(self.col_weight), conv, inputs)
+        return bands if self.mask is None else bands * self.mask.to(bands.dtype)[:, :, None, None]
 
     def maps(self, reduce="mean", rows=None):
         out = self._maps(self.row_weight, self.col_weight, self.conv_weight, rows, reduce, self.input_weight)
@@ -644,3 +742,123 @@ class HeadOperator:
         out = post_conv_columns(lambda r, c: self._maps(r, c, None, rows, "sum"), row, col, values,
                                 self.conv_weight, values.shape[1])
         return _mask_rows_cols(out, self.mask, rows)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A mixer followed by a band with no residual between them: Inkling's attention and its post-attention convolution
+
+
+@dataclass
+class ComposedOperator:
+    """A token mixer whose (projected) output is mixed again, per channel, by a causal band before it joins the
+    residual stream: ``out = T(W(A x))`` (Inkling's ``attn_sconv(o_proj(attention))``).
+
+    ``inner`` is the first operator (A per value channel c, over x), ``W`` the affine part of its readout (o_proj),
+    ``outer`` the band operator T (one channel per hidden channel d, no core). T's taps differ per hidden channel, so
+    T does not commute with W: the composition is a sum over paths d ← c, each with the token operator
+    ``H_{d,c} = T_d · A_c`` and the scalar weight ``W[d, c]`` (channel mixing, which no map includes, as every
+    out_proj): ``y_d = Σ_c W[d, c] · H_{d,c} x_c``.
+
+    Maps are over the D·C paths: ``reduce=None`` gives them all, (B, D·C, L, L) with d major; the path mean is
+    exactly ``mean_d T_d · mean_c A_c`` and the sum ``Σ_d T_d · Σ_c A_c`` (products of the parts' reduced maps);
+    "abs_mean" takes |·| of every path. The band reaches K − 1 tokens back, so R query rows need at most R·K rows
+    of the inner maps. ``contributions`` is the exact gradient × operator × input over the paths, K calls of the
+    inner one. ``output`` is ``T W A x`` (B, L, D); ``readout`` adds what comes from no real token.
+    """
+
+    inner: object
+    outer: HeadOperator
+    output: torch.Tensor
+    readout: Callable | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, inner, outer: HeadOperator) -> "ComposedOperator":
+        """Compose ``inner`` (whose readout is affine and gives the band's input) with the band ``outer`` (whose
+        ``readout(output)`` is the layer's real output, rebuilt)."""
+        dtype = torch.float64
+        inner_output = inner.output.detach().to(dtype)
+        offset = inner.readout(torch.zeros_like(inner_output))
+        projected = inner.readout(inner_output) - offset  # W (A x): the band's input from the real tokens
+        bands = outer.band().to(dtype)  # (B, L, D, K)
+        output = _apply_band(bands, projected)
+        constant = outer.readout(outer.output.detach().to(dtype)).reshape(output.shape) - output
+        return cls(inner, outer, output, readout=lambda out: out + constant.to(out.dtype))
+
+    def to(self, dtype: torch.dtype):
+        return replace(self, inner=self.inner.to(dtype), outer=self.outer.to(dtype),
+                       output=self.output.detach().to(dtype))
+
+    @property
+    def mask(self):
+        return self.outer.mask
+
+    @property
+    def values(self):
+        return self.inner.values
+
+    @property
+    def channels(self) -> int:
+        return self.outer.channels * self.inner.channels
+
+    @property
+    def value_channels(self) -> int:
+        return self.inner.value_channels
+
+    def _rows(self, rows):
+        length = self.output.shape[1]
+        return torch.arange(length, device=self.output.device) if rows is None \
+            else torch.as_tensor(rows, dtype=torch.long, device=self.output.device)
+
+    def _needed(self, query):
+        """The inner rows the band reads for these query rows: i − τ for τ < K, from token 0 on (sorted)."""
+        width = 1 if self.outer.conv_weight is None else self.outer.conv_weight.shape[-1]
+        needed = (query[:, None] - torch.arange(width, device=query.device)).flatten()
+        return torch.unique(needed[needed >= 0], sorted=True)
+
+    def maps(self, reduce="mean", rows=None):
+        query = self._rows(rows)
+        needed = self._needed(query)
+        outer = self.outer.maps(reduce if reduce != "abs_mean" else None, query)[..., needed]  # (B, [D,] R, R')
+        inner = self.inner.maps(reduce if reduce != "abs_mean" else None, needed)  # (B, [C,] R', L)
+        dtype = torch.promote_types(outer.dtype, inner.dtype)
+        outer, inner = outer.to(dtype), inner.to(dtype)
+        if reduce in ("mean", "sum"):
+            out = outer @ inner
+        elif reduce is None:
+            out = torch.einsum("bdrn,bcnl->bdcrl", outer, inner).flatten(1, 2)
+        else:  # mean over the paths of |T_d A_c|, a few hidden channels at a time
+            out = 0
+            step = max(1, (1 << 22) // max(1, inner[0].numel()))
+            for first in range(0, outer.shape[1], step):
+                block = torch.einsum("bdrn,bcnl->bdcrl", outer[:, first:first + step], inner)
+                out = out + block.abs().sum((1, 2))
+            out = out / (outer.shape[1] * inner.shape[1])
+        return out
+
+    def contributions(self, grad: torch.Tensor, rows=None) -> torch.Tensor:
+        """Σ_{d,c} g_d[i] · W[d, c] · H_{d,c}[i, j] · x_c[j]: (B, L, L) or (B, R, L); grad (B, L, D) with respect to
+        :attr:`output`. Rows sum to Σ_d g_d[i] · y_d[i]."""
+        query = self._rows(rows)
+        dtype = torch.float64
+        grad = grad.to(dtype).reshape(self.output.shape)
+        bands = self.outer.band().to(dtype)  # (B, L, D, K): out[i, d] reads z[i − τ, d] with bands[.., τ]
+        batch, length = grad.shape[:2]
+        total = torch.zeros(batch, len(query), length, dtype=dtype, device=grad.device)
+        for tau in range(min(bands.shape[-1], length)):
+            valid = query >= tau
+            if not bool(valid.any()):
+                continue
+            shifted = torch.zeros_like(grad)  # the band input's row r = i − τ, weighted by out row i = r + τ
+            shifted[:, :length - tau] = grad[:, tau:] * bands[:, tau:, :, tau]
+            inner_grad = operator_output_grad(self.inner, shifted)
+            part = self.inner.contributions(inner_grad, query[valid] - tau)
+            total[:, valid] += part.to(dtype)
+        return total.to(self.outer.out_dtype)
+
+
+def _apply_band(bands: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Σ_τ bands[:, i, d, τ] · values[:, i − τ, d]: a per-channel causal band (B, L, D, K) on (B, L, D)."""
+    out = values * bands[..., 0]
+    for tau in range(1, min(bands.shape[-1], values.shape[1])):
+        out[:, tau:] += values[:, :-tau] * bands[:, tau:, :, tau]
+    return out

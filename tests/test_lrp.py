@@ -451,3 +451,10 @@ def test_train_mode_dropout_is_refused_and_train_mode_without_it_works():
     model = make_model("mamba").train()
     relevance, delta = mc.MambaLRP(model).attribute(ids, target=1, return_convergence_delta=True)
     assert model.training and abs(float(delta)) <= 1e-5 * max(1.0, float(relevance.abs().sum()))
+
+
+def test_inkling_is_refused_with_the_reason():
+    from test_inkling import inkling_text
+
+    with pytest.raises(NotImplementedError, match="no rules written yet"):
+        mc.MambaLRP(inkling_text())

@@ -71,7 +71,7 @@ class Query:
 class LayerRecord:
     """One token-mixing layer, handed to a method in execution order."""
 
-    key: int | str  # decoder-layer index; "{i}.shared_attention" for Zamba2's shared block
+    key: int | str  # decoder-layer index; "{i}.shared_attention" for Zamba2's shared block, "{i}.mlp_sconv" ...
     layer: int  # decoder-layer index the map belongs to
     operator: object  # see mamba_captum.operators
     operator_grads: list | None  # per query: gradient w.r.t. the operator's output (gradient × operator rule)

@@ -15,37 +15,45 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import (conv_attention, gated_deltanet, kda, lightning, mamba, mamba2, mlstm, packed_attention, recurrent_gemma,
-               rwkv, short_conv, vim, vision_short_conv, zamba)
+from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, packed_attention,
+               recurrent_gemma, rwkv, short_conv, vim, vision_short_conv, zamba)
 
 ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
                                                  kda, lightning, mlstm, short_conv, zamba, conv_attention,
-                                                 vision_short_conv, packed_attention)
+                                                 vision_short_conv, packed_attention, inkling, inkling2)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
 CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
-# Token mixers of transformers that are recognised but have no adapter yet: they must not be silently skipped.
-KNOWN_UNSUPPORTED = tuple(conv_attention.REFUSED)
+# Token mixers of transformers that are recognised and known not to fit any operator: class name -> why (the message
+# names the class and the model type). None at present; a class listed here is refused by name, never skipped.
+REFUSED: dict[str, str] = {}
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 
 @dataclass(eq=False)
 class LocatedMixer:
-    """An SSM mixer found in decoder layer ``layer`` at module path ``name``."""
+    """An SSM mixer found in decoder layer ``layer`` at module path ``name``.
+
+    ``follows``: the ``name`` of the mixer of the same decoder layer whose output is this one's input, with no
+    residual connection between them (Inkling's ``attn_sconv`` after ``self_attn``): the two are one token mixer,
+    their composition (:class:`mamba_captum.operators.ComposedOperator`). None for a mixer of its own residual
+    branch.
+    """
 
     layer: int
     name: str
     module: nn.Module
     adapter: object
+    follows: str | None = None
 
     def __reduce__(self):  # the adapter is a Python module: copied and pickled by name
-        return _located, (self.layer, self.name, self.module, self.adapter.__name__)
+        return _located, (self.layer, self.name, self.module, self.adapter.__name__, self.follows)
 
 
-def _located(layer, name, module, adapter_name):
-    return LocatedMixer(layer, name, module, importlib.import_module(adapter_name))
+def _located(layer, name, module, adapter_name, follows=None):
+    return LocatedMixer(layer, name, module, importlib.import_module(adapter_name), follows)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -81,10 +89,10 @@ CONTAINER_NAME_FRAGMENTS = ("DecoderLayer", "Block", "Model", "For")  # layers a
 
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
+    if name in REFUSED:  # known not to fit, whether or not an adapter exists
+        return True
     if name in ADAPTERS:
         return False
-    if name in KNOWN_UNSUPPORTED:
-        return True
     if any(fragment in name for fragment in MIXER_NAME_FRAGMENTS) \
             and not any(fragment in name for fragment in CONTAINER_NAME_FRAGMENTS):
         return True
@@ -102,14 +110,17 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     found: list[LocatedMixer] = []
     for index, layer in enumerate(layers):
+        inside: list[str] = []  # submodules that a located mixer's adapter explains as part of its own operator
         for name, module in layer.named_modules():
+            if any(name == path or name.startswith(path + ".") for path in inside):
+                continue
             if _is_unsupported_mixer(module):
                 if getattr(module, "bimamba_type", None) is not None:  # the official Vim code's mamba-ssm fork
                     raise TypeError(
                         f"mamba_captum: layer {index} is the official Vim code's Mamba mixer (mamba-ssm fork, "
                         f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
                         "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
-                why = conv_attention.REFUSED.get(type(module).__name__)
+                why = REFUSED.get(type(module).__name__)
                 if why is not None:  # known, and known not to fit any operator: say why
                     raise TypeError(
                         f"mamba_captum: layer {index} ({name}) uses the token mixer {type(module).__name__}"
@@ -121,7 +132,13 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                     f"report it. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
             adapter = ADAPTERS.get(type(module).__name__)
             if adapter is not None:
-                found.append(LocatedMixer(index, f"{index}.{name}" if name else str(index), module, adapter))
+                # where the mixer sits in its decoder layer may decide how it composes with the others (Inkling's
+                # convolutions after the attention and after the MLP); an adapter refuses a place it does not know
+                follows = adapter.follows(index, name, module) if hasattr(adapter, "follows") else None
+                found.append(LocatedMixer(index, f"{index}.{name}" if name else str(index), module, adapter,
+                                          None if follows is None else f"{index}.{follows}"))
+                inside += [f"{name}.{part}" if name else part
+                           for part in getattr(adapter, "INNER_MIXERS", {}).get(type(module).__name__, ())]
     if not found:
         raise TypeError(
             f"mamba_captum: {type(model).__name__} contains none of the supported token mixers "

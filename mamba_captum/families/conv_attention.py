@@ -1,5 +1,5 @@
 """Softmax attention with a causal band on the values: ZAYA's CCA attention (``ZayaAttention``, model type zaya).
-inkling (inkling_text, inkling_mm_model) and inkling2 (inkling2_text) are refused by name (:data:`REFUSED`).
+Inkling's attention, whose values are convolved too, is in :mod:`.inkling` and :mod:`.inkling2`.
 
 ZAYA (transformers 5.23, ``ZayaCCAProjection.forward``): the mixer input h is masked (h ⊙ m), q and k go through
 two causal convolutions, norms and RoPE (all inside the probabilities, which are rebuilt from the query and key
@@ -32,25 +32,7 @@ MIXER_CLASSES = ("ZayaAttention",)
 LRP_UNSUPPORTED = ("ZAYA's attention convolves its values inside the layer, around the attention call; its rules "
                    "are not written yet")
 # the adapter takes the layer's recorded attention-interface call (its probabilities) and explains the whole layer
-CONSUMES_ATTENTION = True
-
-_WHY_INKLING = (
-    "its short convolutions are token mixers outside the attention probabilities: k_sconv/v_sconv (x + conv(m ⊙ x) "
-    "in float32) on the keys and values, and attn_sconv on the attention output after o_proj and mlp_sconv on the "
-    "MLP output, which act after the heads are mixed by o_proj (conv · W_o · P · conv per channel) or after the "
-    "MLP; no operator of the library describes them, and leaving them out would give a wrong map")
-_WHY_INKLING2 = (
-    "besides the attention, post_attention_convolution and post_mlp_convolution mix tokens after o_proj and after "
-    "the MoE, the full-attention layers' key/value convolutions have taps that depend on the output token "
-    "(Inkling2DynamicShortConvolution), the values are RMS-normalised per token after the conv, and the attention "
-    "takes data-dependent sink logits and relative position logits; no operator of the library describes the "
-    "layer exactly, and leaving a part out would give a wrong map")
-# class name -> why the model types that use it cannot be explained (the message names the class and model type)
-REFUSED = {
-    "InklingShortConvolution": _WHY_INKLING,
-    "Inkling2ShortConvolution": _WHY_INKLING2,
-    "Inkling2DynamicShortConvolution": _WHY_INKLING2,
-}
+CONSUMES_ATTENTION = MIXER_CLASSES
 
 
 def _shift_taps(projection, heads: int, head_dim: int, dtype, device) -> torch.Tensor:
