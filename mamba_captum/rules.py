@@ -96,6 +96,11 @@ def sigmoid_gates(rule: str):
         _SIGMOID_GATES.reset(token)
 
 
+def sigmoid_gate_rule() -> str:
+    """The rule :func:`sigmoid_gate` applies now: ``"signal"`` or ``"half"``."""
+    return _SIGMOID_GATES.get()
+
+
 def sigmoid_gate(pre: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """A sigmoid gate ``σ(pre) ⊙ value``, both depending on the input: ``σ(pre)̄ ⊙ value`` (signal takes all, the
     default) or ``½ σ(pre) v̄ + ½ σ(pre)̄ v`` with σ by the identity rule (``sigmoid_gates("half")``)."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import mamba_captum as mc
 from mamba_captum import rules
@@ -55,6 +54,13 @@ def test_silu_rule_is_the_identity_rule():
     x = torch.tensor([-1.5, 0.0, 0.2, 3.0], dtype=torch.float64, requires_grad=True)
     (rx,) = _relevance(rules.silu_rule(x), x)
     assert torch.allclose(rules.silu_rule(x), F.silu(x)) and torch.allclose(rx, F.silu(x))
+
+
+def test_a_detached_factor_takes_no_relevance():
+    x = torch.tensor([0.5, -2.0], dtype=torch.float64, requires_grad=True)
+    scale = torch.softmax(3.0 * x, 0)  # a data-dependent factor, e.g. a probability
+    (rx,) = _relevance(rules.scaled(x, scale), x)
+    assert torch.allclose(rules.scaled(x, scale), scale * x) and torch.allclose(rx, scale * x)
 
 
 def test_sigmoid_gates_signal_takes_all_or_half():

@@ -206,7 +206,7 @@ def signal_gate_input(module, args, kwargs, output, work_dtype):
     """The input of a sigmoid gate written inside another module's forward (Qwen3.5's and LFM3's gated attention:
     ``attn ⊙ σ(g)``), detached: the gate takes no relevance (``sigmoid_gates="signal"``; the half rule cannot be
     applied to an op no hook reaches)."""
-    if rules._SIGMOID_GATES.get() != "signal":
+    if rules.sigmoid_gate_rule() != "signal":
         raise NotImplementedError(f"mamba_captum: the sigmoid output gate of this attention ({type(module).__name__} "
                                   "feeds it) sits inside the attention's forward, where only sigmoid_gates='signal' "
                                   "can be applied.")
