@@ -35,11 +35,15 @@ def open_captures() -> list:
 
 
 def _recording_interface(interface):
-    """``interface`` plus recording into the calling thread's innermost open capture (if any)."""
+    """``interface`` plus recording into the calling thread's innermost open capture (if any). A capture with an
+    ``_attention_call(interface, module, query, key, value, attention_mask, args, kwargs)`` method runs the call
+    itself and returns what the layer gets (:class:`mamba_captum.lrp.LRPForward`)."""
 
     def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
-        output = interface(module, query, key, value, attention_mask, *args, **kwargs)
         captures = open_captures()
+        if captures and hasattr(captures[-1], "_attention_call"):  # the capture runs the call itself (MambaLRP)
+            return captures[-1]._attention_call(interface, module, query, key, value, attention_mask, args, kwargs)
+        output = interface(module, query, key, value, attention_mask, *args, **kwargs)
         if captures:
             captures[-1]._record_attention(module, query, key, value, attention_mask, args, kwargs, output)
         return output
@@ -124,6 +128,32 @@ class Trace:
             call.output = call.output.detach()
             call.options = {k: v.detach() if torch.is_tensor(v) else v for k, v in call.options.items()}
         self.residuals = {k: v.detach() for k, v in self.residuals.items()}
+
+
+def mixer_arguments(args, kwargs) -> tuple:
+    """(hidden_states, 2-D padding mask or None, the other keyword arguments) of a token mixer's call."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    mask = kwargs.get("attention_mask")
+    if mask is None and len(args) > 2:
+        mask = args[2]
+    if isinstance(mask, dict):  # ZAYA's attention: {"causal": 4-D mask, "conv": 2-D padding mask}
+        mask = mask.get("conv")
+    if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
+        mask = None  # the mixers only ever use a 2-D padding mask
+    options = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
+    return hidden, mask, options
+
+
+ATTENTION_OPTIONS = ("sliding_window", "softcap", "is_causal", "position_bias", "sinks", "cu_seq_lens_q",
+                     "cu_seq_lens_k")
+
+
+def attention_call(layer, module, query, key, value, attention_mask, args, kwargs, output) -> AttentionCall:
+    """The :class:`AttentionCall` of one call of HF's attention interface (tensors as given, not detached)."""
+    scaling = kwargs.get("scaling", args[0] if args else None)
+    options = {k: kwargs[k] for k in ATTENTION_OPTIONS if k in kwargs}
+    attn_out = output[0] if isinstance(output, tuple) else output
+    return AttentionCall(layer, module, query, key, value, attention_mask, scaling, options, attn_out)
 
 
 def _trampoline(capture, method: str, *bound):
@@ -246,15 +276,8 @@ class LayerCapture(contextlib.AbstractContextManager):
     def _on_mixer_pre(self, located, module, args, kwargs):
         if not self._mine():
             return
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        mask = kwargs.get("attention_mask")
-        if mask is None and len(args) > 2:
-            mask = args[2]
-        if isinstance(mask, dict):  # ZAYA's attention: {"causal": 4-D mask, "conv": 2-D padding mask}
-            mask = mask.get("conv")
-        if mask is not None and (not torch.is_tensor(mask) or mask.dim() != 2):
-            mask = None  # the mixers only ever use a 2-D padding mask
-        options = {k: self._keep(v) for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
+        hidden, mask, options = mixer_arguments(args, kwargs)
+        options = {k: self._keep(v) for k, v in options.items()}
         self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask), options=options))
 
     def _on_mixer_post(self, located, module, args, kwargs, output):
@@ -296,13 +319,11 @@ class LayerCapture(contextlib.AbstractContextManager):
         layer = self._current_layer()
         if not self.record_attention or layer is None or (self.layers is not None and layer not in self.layers):
             return
-        scaling = kwargs.get("scaling", args[0] if args else None)
-        options = {k: self._keep(kwargs[k]) for k in ("sliding_window", "softcap", "is_causal", "position_bias",
-                                                      "sinks", "cu_seq_lens_q", "cu_seq_lens_k") if k in kwargs}
-        attn_out = output[0] if isinstance(output, tuple) else output
-        self.trace.attention_calls.append(AttentionCall(
-            layer, module, self._keep(query), self._keep(key), self._keep(value), self._keep(attention_mask),
-            scaling, options, self._keep(attn_out)))
+        call = attention_call(layer, module, query, key, value, attention_mask, args, kwargs, output)
+        call.query, call.key, call.value = self._keep(query), self._keep(key), self._keep(value)
+        call.attention_mask, call.output = self._keep(attention_mask), self._keep(call.output)
+        call.options = {k: self._keep(v) for k, v in call.options.items()}
+        self.trace.attention_calls.append(call)
 
     # -- context manager ------------------------------------------------------------------------------------
     def _hook(self, module: nn.Module, pre: bool, method: str, *bound, **options):

@@ -8,6 +8,7 @@ import zlib
 import pytest
 import torch
 import transformers as tf
+from tiny_models import LINEAR_CONFIGS
 
 import mamba_captum as mc
 from mamba_captum import cli
@@ -588,7 +589,7 @@ def test_evaluate_refuses_unknown_models_and_writes_nothing(args, message, tmp_p
     assert not doc.exists() and not assets.exists()  # the committed report is never replaced by an empty one
 
 
-# -- checkpoints of the linear token mixers: one model type per adapter, and two vision-language checkpoints -----
+# -- checkpoints of the linear token mixers: every model type, and the vision-language checkpoints ----------------
 def _linear_checkpoint(path, model_type, vocab_size):
     from test_conv_attention import zaya
     from test_linear_families import vision_language
@@ -596,6 +597,12 @@ def _linear_checkpoint(path, model_type, vocab_size):
 
     if model_type == "zaya":
         model = zaya(torch.float32, vocab_size=vocab_size)
+    elif model_type in ("inkling", "inkling2"):
+        import test_inkling
+
+        sizes = dict(vocab_size=vocab_size) if model_type == "inkling" else \
+            dict(vocab_size=vocab_size, unpadded_vocab_size=vocab_size)
+        model = getattr(test_inkling, f"{model_type}_text")(torch.float32, **sizes)
     elif model_type in VISION_LANGUAGE_TEXT:  # *ForConditionalGeneration: AutoModelForImageTextToText
         model = vision_language(model_type, VISION_LANGUAGE_TEXT[model_type]).float()
         model.resize_token_embeddings(vocab_size)
@@ -606,8 +613,12 @@ def _linear_checkpoint(path, model_type, vocab_size):
 
 # vision-language model type -> its text model in tiny_models (qwen3_5 and qwen4_exp checkpoints are left out:
 # transformers loads their own tokenizer class whatever tokenizer_config.json says, so the demo tokenizer cannot be used)
-VISION_LANGUAGE_TEXT = {"glm5_next": "glm5_next", "lfm2_vl": "lfm2"}
-LINEAR_CHECKPOINTS = ["qwen3_next", "kimi_linear", "minimax", "xlstm", "lfm2", "zamba", "zaya", *VISION_LANGUAGE_TEXT]
+VISION_LANGUAGE_TEXT = {"glm5_next": "glm5_next", "lfm2_vl": "lfm2", "lfm3_vl": "lfm3"}
+# every model type of the linear token mixers; glm5_next's text model has no causal-LM class (its VL checkpoint is
+# here), and transformers loads qwen3_5_moe's own tokenizer class whatever tokenizer_config.json says, which reads
+# the demo tokenizer's words as nothing (qwen3_5_moe's explanations are tested in test_linear_families.py)
+LINEAR_CHECKPOINTS = [t for t in LINEAR_CONFIGS if t not in ("glm5_next", "qwen3_5_moe")] + [
+    "zamba", "zaya", "inkling", "inkling2", *VISION_LANGUAGE_TEXT]
 
 
 @pytest.mark.parametrize("model_type", LINEAR_CHECKPOINTS)

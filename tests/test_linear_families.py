@@ -262,6 +262,8 @@ def vision_language(model_type, text):
                            num_heads=2, out_hidden_size=config.text_config.hidden_size).items():
         if hasattr(config.vision_config, key):
             setattr(config.vision_config, key, value)
+    if getattr(config.vision_config, "layer_types", None):  # LFM3-VL's tower: one type per layer
+        config.vision_config.layer_types = config.vision_config.layer_types[:config.vision_config.num_hidden_layers]
     for part in (config, config.text_config):
         part._attn_implementation, part._experts_implementation = "sdpa", "eager"
     torch.manual_seed(0)

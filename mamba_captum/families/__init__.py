@@ -1,8 +1,10 @@
 """Family adapters: which modules of an HF model mix tokens, and how to rebuild each one's operator.
 
 An adapter module exposes ``MIXER_CLASSES`` (the HF class names it handles) and
-``rebuild(call, formulation, components) -> operator`` (see :mod:`mamba_captum.operators`). Adapters know nothing
-of the explanation methods; the methods know nothing of the families.
+``rebuild(call, formulation, components) -> operator`` (see :mod:`mamba_captum.operators`); for MambaLRP also
+``lrp(call, work_dtype) -> tensor``, the mixer's output under the LRP rules as a differentiable function of
+``call.hidden_states`` (or ``LRP_UNSUPPORTED``, the reason it has none). The rules of the modules around the mixers
+are in :mod:`.layers`. Adapters know nothing of the explanation methods; the methods know nothing of the families.
 """
 from __future__ import annotations
 

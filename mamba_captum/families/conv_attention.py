@@ -28,6 +28,9 @@ from .mamba import _masked
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("ZayaAttention",)
+# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+LRP_UNSUPPORTED = ("ZAYA's attention convolves its values inside the layer, around the attention call; its rules "
+                   "are not written yet")
 # the adapter takes the layer's recorded attention-interface call (its probabilities) and explains the whole layer
 CONSUMES_ATTENTION = MIXER_CLASSES
 

@@ -24,6 +24,7 @@ from transformers.activations import ACT2FN
 
 from ..kernels.delta_rule import delta_rule_output_chunked
 from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows
+from ..rules import half_product, sigmoid_gate, silu_rule
 from .mamba import _masked
 from .unhooked import linear_readout, run
 
@@ -156,3 +157,58 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                 conv_pre=conv_pre[..., 2 * key_dim:], taps=mixer.conv1d.weight[2 * key_dim:, 0, :],
                                 gate=gate_activation(norm, z), norm=norm, out_proj=out_proj,
                                 value_heads=mixer.num_v_heads, head_dim=mixer.head_v_dim)
+
+
+def core_output(core, values):
+    """``Σ_s α_h[t, s] v_s`` (B, L, H, P) with the core α (B, H, L, L) detached: linear in the values."""
+    return torch.einsum("bhts,bshp->bthp", core.full().detach().to(values.dtype), values)
+
+
+def output_gate(norm, gate_input, output):
+    """The gated norm's gate ``act(z) ⊙ o`` under the rules: SiLU by the identity rule and the half rule, a sigmoid
+    by :func:`mamba_captum.rules.sigmoid_gate`."""
+    activation = getattr(norm, "activation", "silu")
+    if activation in ("silu", "swish"):
+        return half_product(output, silu_rule(gate_input))
+    if activation == "sigmoid":
+        return sigmoid_gate(gate_input, output)
+    raise NotImplementedError(f"mamba_captum: MambaLRP has no rule for the output gate activation {activation!r}.")
+
+
+def delta_rule_lrp(core, value_pre, gate_input, norm, out_proj, heads, head_dim, work_dtype):
+    """A delta-rule layer's output under MambaLRP-style rules (shared with KDA): the values' SiLU by the identity
+    rule, the core α (q, k, β and the decays) detached, the gated norm's normaliser ν detached, the output gate by
+    :func:`output_gate`. value_pre, gate_input: (B, L, H·P), differentiable. (B, L, D), float64."""
+    batch, length, _ = value_pre.shape
+    per_head = lambda t: t.reshape(batch, length, heads, head_dim)  # noqa: E731
+    values = per_head(silu_rule(value_pre.to(work_dtype)))
+    output = core_output(core, values)
+    nu = gated_rms_scale(norm, output.detach())
+    gated = output_gate(norm, per_head(gate_input.to(work_dtype)), output)
+    return linear_readout(out_proj)((nu * gated).reshape(batch, length, -1).double())
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP-style rules, a differentiable function of ``call.hidden_states``: the
+    projections and the conv (linear), the values' SiLU by the identity rule, the delta rule's core α (q, k, β and
+    the decay g: the layer's selection) detached, so the output is linear in the values; the gated RMS norm's
+    normaliser detached and its gate by :func:`output_gate`. (B, L, D), float64."""
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    h = _masked(call.hidden_states, call.attention_mask)
+    query, key, value, z, b, a = projections(mixer, h)
+    key_dim = mixer.key_dim
+    conv_pre = causal_conv(torch.cat([query, key, value], dim=-1), mixer.conv1d)
+    with torch.no_grad():
+        mixed = F.silu(conv_pre)
+        beta = torch.sigmoid(b.double())
+        if getattr(mixer, "allow_neg_eigval", False):
+            beta = beta * 2.0
+        log_decay = -torch.exp(mixer.A_log.double()) * F.softplus(a.double() + mixer.dt_bias.double())
+        core = delta_rule_inputs(mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim], beta, log_decay,
+                                 mixer.num_v_heads, mixer.head_k_dim, work_dtype)
+    norm, out_proj = output_modules(mixer)
+    return delta_rule_lrp(core, conv_pre[..., 2 * key_dim:], z, norm, out_proj, mixer.num_v_heads, mixer.head_v_dim,
+                          work_dtype)

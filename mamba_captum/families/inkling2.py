@@ -45,6 +45,9 @@ from .unhooked import linear_readout, run
 CONV_CLASS = "Inkling2ShortConvolution"
 ATTENTION_CLASSES = ("Inkling2SlidingAttention", "Inkling2FullAttention")
 MIXER_CLASSES = (*ATTENTION_CLASSES, CONV_CLASS)
+# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+LRP_UNSUPPORTED = ("its convolutions (some with token-dependent taps) and data-dependent sink / relative "
+                   "logits have no rules written yet")
 CONSUMES_ATTENTION = ATTENTION_CLASSES
 INNER_MIXERS = {name: ("k_sconv", "v_sconv") for name in ATTENTION_CLASSES}
 BRANCH_CONVOLUTIONS = {"post_attention_convolution": "self_attn", "post_mlp_convolution": None}

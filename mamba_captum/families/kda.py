@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .gated_deltanet import causal_conv, delta_rule_inputs, gate_activation, operator_from_pieces, output_modules
+from .gated_deltanet import (causal_conv, delta_rule_inputs, delta_rule_lrp, gate_activation, operator_from_pieces,
+                             output_modules)
 from .mamba import _masked
 from .unhooked import run
 
@@ -50,3 +51,28 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                 conv_pre=conv_pre[..., 2 * width:], taps=mixer.conv1d.weight[2 * width:, 0, :],
                                 gate=gate_activation(norm, gate_input), norm=norm, out_proj=out_proj,
                                 value_heads=mixer.num_heads, head_dim=mixer.head_dim)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP-style rules (:func:`.gated_deltanet.delta_rule_lrp`): the per-channel
+    decays, β, q and k detached, the values' SiLU by the identity rule, the σ-gated norm's normaliser detached and
+    its sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    h = _masked(call.hidden_states, call.attention_mask)
+    width = mixer.qkv_dim
+    conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
+                           mixer.conv1d)
+    batch, length, _ = h.shape
+    with torch.no_grad():
+        mixed = F.silu(conv_pre)
+        log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
+        beta = torch.sigmoid(run(mixer.b_proj, h).double())
+        core = delta_rule_inputs(mixed[..., :width], mixed[..., width:2 * width], beta, log_decay, mixer.num_heads,
+                                 mixer.head_dim, work_dtype)
+    gate_input = run(mixer.g_proj, h) if hasattr(mixer, "g_proj") else run(mixer.g_b_proj, run(mixer.g_a_proj, h))
+    norm, out_proj = output_modules(mixer)
+    return delta_rule_lrp(core, conv_pre[..., 2 * width:], gate_input, norm, out_proj, mixer.num_heads,
+                          mixer.head_dim, work_dtype)

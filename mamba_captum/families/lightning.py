@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
+from ..rules import sigmoid_gate, silu_rule
+from .gated_deltanet import core_output
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("MiniMaxLightningAttention",)
@@ -67,3 +69,29 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             values=pre[..., 2 * head_dim:], output=gate * nu * output,
                             readout=lambda out: out_proj(out.reshape(batch, length, -1)))
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP-style rules: the values' SiLU by the identity rule, the core
+    ``(q_t · k_s) exp(−λ (t − s))`` (q, k from the real activations) detached, the RMS norm's normaliser detached,
+    the output gate ``σ(g) ⊙ ·`` by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
+    mixer = call.located.module
+    if type(mixer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.act_fn!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    hidden, mask = call.hidden_states, call.attention_mask
+    batch, length, _ = hidden.shape
+    heads, head_dim = mixer.num_attention_heads, mixer.head_dim
+    pre = run(mixer.qkv_proj, hidden).to(work_dtype).reshape(batch, length, heads, 3 * head_dim)
+    token_mask = torch.ones(batch, length, 1, 1, dtype=work_dtype, device=hidden.device) if mask is None \
+        else mask.to(work_dtype)[:, :, None, None]
+    with torch.no_grad():
+        q, k, _ = (F.silu(pre) * token_mask).split(head_dim, dim=-1)
+        slopes = mixer.slope_rate.reshape(heads).double()
+        positions = torch.arange(length, dtype=torch.float64, device=hidden.device)
+        core = GatedScoresCore(q, k, (-slopes[None, None, :] * positions[None, :, None]).expand(batch, length, heads))
+    v = silu_rule(pre[..., 2 * head_dim:]) * token_mask
+    output = core_output(core, v)
+    nu = _rms_scale(mixer.norm, output.detach().reshape(batch, length, -1)).reshape(batch, length, heads, head_dim)
+    gate_pre = run(mixer.output_gate, hidden).to(work_dtype).reshape(batch, length, heads, head_dim)
+    return linear_readout(mixer.out_proj)((nu * sigmoid_gate(gate_pre, output)).reshape(batch, length, -1).double())

@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..fast_scans import selective_scan
 from ..kernels.scans import selective_scan_reference
 from ..operators import SelectiveOperator
+from ..rules import half_product, silu_rule
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
@@ -54,7 +56,8 @@ class ScanPieces:
 
 
 def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, state_size: int, norms=None,
-                unfused: bool = True, work_dtype=torch.float64, check_dtype=torch.float32) -> ScanPieces:
+                unfused: bool = True, work_dtype=torch.float64, check_dtype=torch.float32,
+                with_scan: bool = True) -> ScanPieces:
     """Recompute one selective scan from its conv input ``x`` and gate input ``z`` (B, L, D_in), model dtype.
 
     Args:
@@ -64,6 +67,7 @@ def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, sta
         unfused: whether the model ran the unfused path (the fused training kernel skips the mask after the conv and
             normalises the D_in-wide projected dt instead of the rank-R one).
         check_dtype: the precision of the scan, which only serves the check (the operator does not depend on it).
+        with_scan: False skips the scan (``scan`` is then None): MambaLRP reads only the selection parameters.
     """
     length = x.shape[1]
     taps = conv1d.weight[:, 0, :]  # (D_in, K)
@@ -91,7 +95,8 @@ def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, sta
     A = -torch.exp(w(A_log))
     u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
     check = lambda t: t.to(check_dtype)  # noqa: E731
-    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype)
+    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype) \
+        if with_scan else None
     return ScanPieces(w(x), z, u, pre, delta, A, B, C, scan, w(D) * u, F.silu(z), w(taps))
 
 
@@ -147,3 +152,43 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     else:
         readout = lambda y: out_proj(y + (p.skip * p.gate).double())  # noqa: E731 (out_proj, linear)
     return selective_operator(p, formulation, components, operator_mask, readout), rebuilt
+
+
+def lrp_inner(pieces: ScanPieces, x, z, mask, *, conv1d, D, unfused: bool, work_dtype) -> torch.Tensor:
+    """``out_proj``'s input under MambaLRP's rules, a differentiable function of the conv input ``x`` and the gate
+    input ``z`` (B, L, D_in): the conv (linear, its bias a constant), SiLU by the identity rule ``pre · σ(pre)̄``, the
+    scan with Δ, B, C (``pieces``, computed from the real activations) detached, so linear in u, the D skip, and the
+    gate ``y ⊙ silu(z)`` by the half rule with SiLU's identity rule on z. Same value as the real layer's."""
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    length = x.shape[1]
+    pre = F.conv1d(w(x).transpose(1, 2), w(conv1d.weight), None if conv1d.bias is None else w(conv1d.bias),
+                   padding=conv1d.weight.shape[-1] - 1, groups=conv1d.weight.shape[0])[..., :length].transpose(1, 2)
+    u = pre * torch.sigmoid(pieces.pre)  # silu(pre), the identity rule
+    if unfused:
+        u = _masked(u, None if mask is None else w(mask))
+    scan = selective_scan(u.transpose(1, 2), pieces.delta.transpose(1, 2), pieces.A, pieces.B.transpose(1, 2),
+                          pieces.C.transpose(1, 2)).transpose(1, 2)
+    y = scan + w(D) * u
+    return half_product(y, silu_rule(w(z)))
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules, as a differentiable function of ``call.hidden_states`` (which
+    carries the graph): every factor that depends on the data other than through the values (Δ, B, C and their
+    norms) detached, SiLU by the identity rule, the output gate by the half rule. Linear in the mixer input; the
+    conv bias (and in_proj's / out_proj's biases, if any) are its constant terms. (B, L, D_model), float64."""
+    mixer = call.located.module
+    hidden, mask = call.hidden_states, call.attention_mask
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    x, z = run(mixer.in_proj, _masked(hidden, mask)).chunk(2, dim=-1)
+    norms = (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm) if hasattr(mixer, "dt_layernorm") else None
+    with torch.no_grad():
+        pieces = scan_pieces(x.detach(), z.detach(), mask, conv1d=mixer.conv1d, x_proj=mixer.x_proj,
+                             dt_proj=mixer.dt_proj, A_log=mixer.A_log, D=mixer.D, rank=mixer.time_step_rank,
+                             state_size=mixer.ssm_state_size, norms=norms, unfused=call.unfused,
+                             work_dtype=work_dtype, with_scan=False)
+    inner = lrp_inner(pieces, x, z, mask, conv1d=mixer.conv1d, D=mixer.D, unfused=call.unfused,
+                      work_dtype=work_dtype)
+    return linear_readout(mixer.out_proj)(inner.double())

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..kernels.scans import ssd_scan_reference
 from ..operators import SSDOperator
+from ..rules import half_product, silu_rule
 from .mamba import _masked
 from .unhooked import linear_readout, run
 
@@ -125,3 +126,45 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                            values=per_head(w(xbc[..., :d_inner])),
                            output=per_head(ssd.reshape(batch, length, d_inner) * token_scale), readout=readout)
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules, a differentiable function of ``call.hidden_states``: the conv
+    (linear, its bias a constant) and SiLU by the identity rule ``pre · σ(pre)̄`` on x, B and C alike; B, C and Δ
+    (and the gated norm's normaliser ν) detached, so the SSD scan is linear in x; the D skip; the output gate
+    ``y ⊙ silu(z)`` by the half rule (SiLU's identity rule on z), times ν̄. Linear in the mixer input; the conv bias
+    and the projections' biases (if any) are its constant terms. (B, L, D_model), float64."""
+    mixer = call.located.module
+    hidden, mask = call.hidden_states, call.attention_mask
+    batch, length, _ = hidden.shape
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
+    d_inner = mixer.intermediate_size
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    h = _masked(hidden, mask)
+    if hasattr(mixer, "ssm_in_multiplier"):
+        h = h * mixer.ssm_in_multiplier
+    projected = run(mixer.in_proj, h)
+    if hasattr(mixer, "mup_vector"):
+        projected = projected * mixer.mup_vector
+    z, xbc, dt = w(projected).split([d_inner, mixer.conv_dim, heads], dim=-1)
+    conv = mixer.conv1d
+    pre = F.conv1d(xbc.transpose(1, 2), w(conv.weight), None if conv.bias is None else w(conv.bias),
+                   padding=conv.weight.shape[-1] - 1, groups=mixer.conv_dim)[..., :length].transpose(1, 2)
+    act = pre * torch.sigmoid(pre.detach())  # silu, the identity rule
+    if call.unfused:
+        act = _masked(act, None if mask is None else w(mask))
+    x, B, C = act.split([d_inner, groups * state, groups * state], dim=-1)
+    low, high = mixer.time_step_limit
+    with torch.no_grad():  # the selection parameters (and the weights they come from) take no relevance
+        delta = torch.clamp(F.softplus(dt + w(mixer.dt_bias)), min=low, max=high)
+        A = -torch.exp(w(mixer.A_log))
+    B, C = B.detach().view(batch, length, groups, state), C.detach().view(batch, length, groups, state)
+    x_heads = x.view(batch, length, heads, head_dim)
+    y = (ssd_scan_reference(x_heads, delta, A, B, C) + w(mixer.D)[:, None] * x_heads).reshape(batch, length, d_inner)
+    gated = half_product(y, silu_rule(z))
+    nu = _norm_scale(mixer, y.detach(), F.silu(z.detach()), call.unfused)
+    inner = gated if nu is None else gated * nu.detach()
+    return linear_readout(mixer.out_proj)(inner.double())

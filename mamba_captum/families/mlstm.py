@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
+from ..rules import sigmoid_gate
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("xLSTMLayer", "mLSTMLayer")
@@ -104,3 +105,32 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             values=w(centred), output=w(gate * normed(output)),
                             readout=lambda out: out_proj((out + constant).reshape(batch, length, -1)))
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP-style rules: the projections (linear), the core α (scores, gates and the
+    normaliser, from the real activations) detached, so h is linear in v; the per-head layer norm with σ detached
+    (centring linear, its bias a constant); the output gate ``σ(o) ⊙ ·`` by
+    :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
+    layer = call.located.module
+    hidden = call.hidden_states
+    batch, length, _ = hidden.shape
+    q, k, v, i_pre, f_pre, o_pre = projections(layer, hidden)
+    heads, head_dim = v.shape[2], v.shape[3]
+    with torch.no_grad():
+        cumulative = F.logsigmoid(f_pre).cumsum(1)
+        stabiliser = cumulative + torch.cummax(i_pre - cumulative, dim=1).values.clamp(min=0.0)
+        scaled_q = q * q.shape[-1] ** -0.5
+        unnormalised = GatedScoresCore(scaled_q, k, cumulative, log_col=i_pre, log_row=-stabiliser).full()
+        denominator = torch.maximum(unnormalised.sum(-1).transpose(1, 2).abs(), torch.exp(-stabiliser)) + _eps(layer)
+        alpha = unnormalised / denominator.transpose(1, 2)[..., None]
+    output = torch.einsum("bhts,bshd->bthd", alpha, v)
+    norm = layer.multihead_norm
+    weight = norm.weight.double().reshape(heads, head_dim)
+    bias = None if getattr(norm, "bias", None) is None else norm.bias.double().reshape(heads, head_dim)
+    rstd = torch.rsqrt(output.detach().var(-1, keepdim=True, unbiased=False) + norm.eps)
+    normed = (output - output.mean(-1, keepdim=True)) * rstd * weight
+    if bias is not None:
+        normed = normed + bias
+    gated = sigmoid_gate(o_pre.reshape(batch, length, heads, head_dim), normed)
+    return linear_readout(layer.out_proj)(gated.reshape(batch, length, -1))

@@ -22,6 +22,8 @@ from ..operators import SoftmaxOperator
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Lfm3VlVisionAttention",)
+# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+LRP_UNSUPPORTED = "MambaLRP explains token models; the vision towers over packed patches are not covered"
 NONCAUSAL = True
 # the adapter explains the layer from its recorded attention-interface calls (which are then no maps of their own)
 CONSUMES_ATTENTION = True

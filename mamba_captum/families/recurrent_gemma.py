@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ..kernels.scans import decay_scan_reference
 from ..operators import DecayOperator
+from ..rules import half_product, identity_rule
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("RecurrentGemmaRecurrentBlock",)
@@ -109,3 +110,33 @@ def preserved_states(model):
     finally:
         for block, (conv_state, recurrent_states) in zip(blocks, saved):
             block.conv1d_state, block.rg_lru.recurrent_states = conv_state, recurrent_states
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The recurrent block's output under MambaLRP-style rules, a differentiable function of ``call.hidden_states``:
+    the conv (linear, its bias a constant); the RG-LRU's gates (a_t, i_t and √(1 − a_t²), computed from the real
+    conv output) detached, so the recurrence is linear in the conv output; the GELU branch by the identity rule;
+    ``scan ⊙ gelu(linear_y(h))`` by the half rule. The projections' and conv's biases are its constant terms.
+    (B, L, D_model), float64."""
+    block = call.located.module
+    hidden = call.hidden_states
+    batch, length, _ = hidden.shape
+    position_ids = call.options.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(f"mamba_captum: {call.located.name} was called without position_ids.")
+    lru, conv = block.rg_lru, block.conv_1d
+    y_pre = run(block.linear_y, hidden).double()
+    with torch.no_grad():
+        y_act = run(block.act_fn, y_pre)
+    y_branch = identity_rule(y_pre, y_act)
+    x = run(block.linear_x, hidden).double()
+    conv_out = F.conv1d(x.transpose(1, 2), conv.weight.double(), None if conv.bias is None else conv.bias.double(),
+                        padding=conv.weight.shape[-1] - 1, groups=conv.weight.shape[0])[..., :length].transpose(1, 2)
+    with torch.no_grad():
+        input_gate, recurrent_gate = gates(lru, conv_out)
+        log_a = -8.0 * recurrent_gate * F.softplus(lru.recurrent_param.double())
+        reset = (position_ids.to(hidden.device) == 0).expand(batch, length)[..., None]
+        multiplier = torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
+        segments = segments_from_positions(position_ids.to(hidden.device), batch, length)
+    scan = decay_scan_reference(conv_out, -log_a, col_weight=multiplier * input_gate, segments=segments)
+    return linear_readout(block.linear_out)(half_product(scan, y_branch))

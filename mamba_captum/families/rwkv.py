@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..kernels.scans import decay_scan_reference
 from ..operators import DecayOperator
+from ..rules import sigmoid_gate
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("RwkvSelfAttention",)
@@ -134,3 +135,24 @@ def _restore(module, was_rescaled: bool, snapshot):
         for weight, saved in snapshot or ():
             weight.copy_(saved)
     module.layers_are_rescaled = was_rescaled
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The time-mixing block's output under MambaLRP-style rules, a differentiable function of
+    ``call.hidden_states``: the token shift and the projections (linear); the WKV weights ``exp(k_j − (t−1−j) w) /
+    Z_t`` detached (keys, decays and the normaliser are the selection of this layer, like Mamba's Δ, B, C), so the
+    WKV is linear in the values; the receptance gate ``σ(r) ⊙ wkv`` by :func:`mamba_captum.rules.sigmoid_gate`.
+    Linear in the block input; the projections' biases (if any) are its constant terms. (B, L, D_model), float64."""
+    mixer = call.located.module
+    hidden = call.hidden_states
+    shifted = F.pad(hidden, (0, 0, 1, -1))  # h_{t−1}, zero at t = 0
+    mix = lambda mu: hidden * mu + shifted * (1 - mu)  # noqa: E731
+    value = run(mixer.value, mix(mixer.time_mix_value)).double()
+    receptance = run(mixer.receptance, mix(mixer.time_mix_receptance)).double()
+    with torch.no_grad():
+        k = run(mixer.key, mix(mixer.time_mix_key)).double()
+        decay = torch.exp(mixer.time_decay.double())
+        log_z = log_normaliser(k, decay, mixer.time_first)
+        log_q, log_k, log_diag = -log_z, k + decay, mixer.time_first.double() + k - log_z
+    wkv = decay_scan_reference(value, decay.expand_as(k), log_q, log_k, log_diag)
+    return linear_readout(mixer.output)(sigmoid_gate(receptance, wkv))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..operators import HeadOperator
+from ..rules import half_product
 from .mamba import _masked
 from .unhooked import linear_readout, run
 
@@ -70,3 +71,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             row_weight=per_channel(row), conv_weight=conv, input_weight=per_channel(inputs),
                             values=per_channel(x), output=per_channel(output), readout=readout)
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP-style rules: both gates of ``C ⊙ conv(B ⊙ x)`` by the half rule (B, C and x
+    all come from the input), the conv linear (its bias a constant). (B, L, D), float64."""
+    mixer = call.located.module
+    hidden, mask = call.hidden_states, call.attention_mask
+    projected = run(mixer.in_proj, _masked(hidden, mask)).to(work_dtype)
+    in_gate, out_gate, x = projected.chunk(3, dim=-1)
+    conv_out = _band(half_product(in_gate, x), mixer.conv.weight[:, 0, :].to(work_dtype))
+    if mixer.conv.bias is not None:
+        conv_out = conv_out + mixer.conv.bias.to(work_dtype)
+    return linear_readout(mixer.out_proj)(half_product(out_gate, conv_out).double())

@@ -20,6 +20,8 @@ from .mamba import check_dtype, scan_pieces, selective_operator
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("VimMixer",)
+# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+LRP_UNSUPPORTED = "MambaLRP explains token models; Vision Mamba is not covered yet"
 NONCAUSAL = True  # every token sees every other: no padding, no causal query context
 
 

@@ -26,6 +26,8 @@ from ..vision.layout import PackedPatches
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Lfm3VlVisionShortConv",)
+# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+LRP_UNSUPPORTED = "MambaLRP explains token models; the vision towers over packed patches are not covered"
 NONCAUSAL = True  # the conv reads both sides of each patch on the grid
 
 

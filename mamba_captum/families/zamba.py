@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..operators import ChannelBlocksOperator
-from .mamba import _masked, check_dtype, scan_pieces, selective_operator
+from .mamba import _masked, check_dtype, lrp_inner, scan_pieces, selective_operator
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("ZambaMambaMixer",)
@@ -70,3 +70,31 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     else:
         readout = lambda y: out_proj(y + (skip * gate).double())  # noqa: E731 (out_proj, linear)
     return ChannelBlocksOperator(parts, readout), rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules (:func:`.mamba.lrp_inner` per head, with the head's own Δ, B, C
+    detached), a differentiable function of ``call.hidden_states``. (B, L, D_model), float64."""
+    mixer = call.located.module
+    hidden, mask = call.hidden_states, call.attention_mask
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
+                                  "MambaLRP's rules are written for silu.")
+    projected = run(mixer.in_proj, _masked(hidden, mask))
+    x, z = projected[..., 0::2], projected[..., 1::2]
+    width = mixer.mamba_head_dim
+    inner = []
+    for head in range(mixer.n_mamba_heads):
+        channels = slice(head * width, (head + 1) * width)
+        bias = mixer.conv1d.bias
+        conv = SimpleNamespace(weight=mixer.conv1d.weight[channels], bias=None if bias is None else bias[channels])
+        x_weight = mixer.x_proj_weight[head]
+        dt_proj = SimpleNamespace(weight=mixer.dt_proj_weight[head], bias=mixer.dt_proj_bias[head])
+        with torch.no_grad():
+            pieces = scan_pieces(x[..., channels].detach(), z[..., channels].detach(), mask, conv1d=conv,
+                                 x_proj=lambda u, w=x_weight: F.linear(u, w), dt_proj=dt_proj, A_log=mixer.A_log[head],
+                                 D=mixer.D[head], rank=mixer.time_step_rank, state_size=mixer.ssm_state_size,
+                                 unfused=True, work_dtype=work_dtype, with_scan=False)
+        inner.append(lrp_inner(pieces, x[..., channels], z[..., channels], mask, conv1d=conv, D=mixer.D[head],
+                               unfused=True, work_dtype=work_dtype))
+    return linear_readout(mixer.out_proj)(torch.cat(inner, dim=-1).double())

@@ -1,0 +1,382 @@
+"""MambaLRP's plan of a model: which module gets which rule, and the proof that nothing is left without one.
+
+:func:`lrp_plan` walks the model's modules from the root. Each module is
+
+- a token mixer with an adapter: its output is replaced by the adapter's ``lrp(call, work_dtype)`` (the family's
+  rules, :mod:`mamba_captum.families`); its submodules are covered by it;
+- a module with a rule here (:data:`RULES`: norms, gated MLPs, mixtures of experts): its output is replaced by the
+  rule's expression, computed from its input; its submodules are covered by it;
+- linear (``nn.Linear``, ``nn.Embedding``, dropout, identity, module lists), or a container whose own forward is
+  linear apart from the submodules it calls (:data:`LINEAR_CONTAINERS`: decoder layers, models, heads, attention
+  modules, whose softmax is handled at HF's attention interface): its submodules are planned in turn;
+- anything else: refused (``NotImplementedError`` naming the class), since a non-linear step without a rule would
+  make the relevance silently non-conservative.
+
+A rule is ``rule(module, args, kwargs, output, work_dtype) -> tensor``: the module's (main) output under the rule,
+a differentiable function of its inputs ``args`` / ``kwargs`` (which carry the graph), with the real output's
+value (checked by the engine, :mod:`mamba_captum.lrp`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import rules
+
+# -- containers whose own forward is linear in what flows through it ------------------------------------------------
+# A class is listed here only after its forward was read (transformers 5.23): residual additions, casts, scalings
+# by constants, indexing and calls of submodules; every non-linear step sits in a submodule with a rule.
+LINEAR_CONTAINERS = {
+    # Mamba-1
+    "MambaForCausalLM", "MambaModel", "MambaBlock",
+    "FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaBlock",
+    # Mamba-2
+    "Mamba2ForCausalLM", "Mamba2Model", "Mamba2Block",
+    # Jamba (the router's outputs only feed the experts, whose rule detaches the routing weights)
+    "JambaForCausalLM", "JambaForSequenceClassification", "JambaModel", "JambaAttentionDecoderLayer",
+    "JambaMambaDecoderLayer", "JambaAttention", "JambaSparseMoeBlock",
+    # Bamba (RoPE acts on queries and keys only)
+    "BambaForCausalLM", "BambaModel", "BambaDecoderLayer", "BambaAttention",
+    # NemotronH (its mixture of experts, NemotronHMoE, is not covered: ungated experts)
+    "NemotronHForCausalLM", "NemotronHModel", "NemotronHBlock", "NemotronHAttention",
+    # FalconH1 (attention ∥ Mamba-2, scaled by constant multipliers)
+    "FalconH1ForCausalLM", "FalconH1Model", "FalconH1DecoderLayer", "FalconH1Attention",
+    # GraniteMoeHybrid (constant embedding / residual multipliers and logits scaling)
+    "GraniteMoeHybridForCausalLM", "GraniteMoeHybridModel", "GraniteMoeHybridDecoderLayer",
+    "GraniteMoeHybridAttention", "GraniteMoeHybridMoE",
+    # Zamba2 (the shared block, run in several layers, sees the concatenation of the stream and the embeddings;
+    # its low-rank adapters are linear)
+    "Zamba2ForCausalLM", "Zamba2Model", "Zamba2HybridLayer", "Zamba2MambaDecoderLayer",
+    "Zamba2AttentionDecoderLayer", "Zamba2Attention",
+    # RWKV-4 (the LayerNorms have their rule; the residual stream is halved every rescale_every blocks)
+    "RwkvForCausalLM", "RwkvModel", "RwkvBlock",
+    # RecurrentGemma (embeddings × a constant; the logits' soft cap has its rule on the head, SOFT_CAPPED_HEADS)
+    "RecurrentGemmaForCausalLM", "RecurrentGemmaModel", "RecurrentGemmaDecoderLayer", "RecurrentGemmaAttention",
+    # the linear families' hybrids (the gated attentions' sigmoid gates: SIGNAL_GATE_INPUTS)
+    "Qwen3_5ForCausalLM", "Qwen3_5TextModel", "Qwen3_5DecoderLayer", "Qwen3_5Attention",
+    "OlmoHybridForCausalLM", "OlmoHybridModel", "OlmoHybridAttentionDecoderLayer",
+    "OlmoHybridLinearAttentionDecoderLayer", "OlmoHybridAttention",
+    "Lfm2ForCausalLM", "Lfm2Model", "Lfm2DecoderLayer", "Lfm2Attention",
+    "Lfm3ForCausalLM", "Lfm3Model", "Lfm3DecoderLayer", "Lfm3Attention",
+    "MiniMaxForCausalLM", "MiniMaxModel", "MiniMaxDecoderLayer", "MiniMaxAttention", "MiniMaxSparseMoeBlock",
+    "xLSTMForCausalLM", "xLSTMModel", "xLSTMBlock",
+    "Qwen3NextForCausalLM", "Qwen3NextModel", "Qwen3NextDecoderLayer", "Qwen3NextAttention",
+    "Qwen3NextSparseMoeBlock",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "Qwen3_5MoeDecoderLayer", "Qwen3_5MoeAttention",
+    "Qwen3_5MoeSparseMoeBlock",
+    "Lfm2MoeForCausalLM", "Lfm2MoeModel", "Lfm2MoeDecoderLayer", "Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock",
+    # KDA hybrids (multi-head latent attention: the latent's RMS norm has its rule; keys are in P)
+    "KimiLinearForCausalLM", "KimiLinearModel", "KimiLinearDecoderLayer", "KimiLinearAttention", "KimiLinearMoE",
+    "BailingHybridForCausalLM", "BailingHybridModel", "BailingHybridDecoderLayer", "BailingHybridAttention",
+    "BailingHybridMoE",
+    # Zamba (v1): the shared attention block reads the stream concatenated with the embeddings
+    "ZambaForCausalLM", "ZambaModel", "ZambaHybridLayer", "ZambaMambaDecoderLayer", "ZambaAttentionDecoderLayer",
+    "ZambaAttention",
+}
+
+# Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
+# the routing weights (detached by the experts' rule) and the experts' indices.
+NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
+NO_RELEVANCE_PATH = {"JambaTopKRouter", "GraniteMoeHybridTopKRouter", "MiniMaxTopKRouter", "Qwen3NextTopKRouter",
+                     "Qwen3_5MoeTopKRouter", "Lfm2MoeTopKRouter", "KimiLinearTopkRouter", "BailingHybridTopkRouter"}
+
+def _input(args, kwargs, name="hidden_states"):
+    return args[0] if args else kwargs[name]
+
+
+def rms_norm(module, args, kwargs, output, work_dtype):
+    """An RMS norm: the normaliser detached (``x · (y / x)̄``, whatever the weight's form); a bias (xLSTM's, when
+    configured) stays a constant: ``x · ((y − b) / x)̄ + b``."""
+    x = _input(args, kwargs).to(work_dtype)
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias = bias.to(work_dtype)
+        return rules.rms_norm_rule(x, output.to(work_dtype) - bias) + bias
+    return rules.rms_norm_rule(x, output.to(work_dtype))
+
+
+def layer_norm(module, args, kwargs, output, work_dtype):
+    """``nn.LayerNorm``: σ detached, the centring linear, the bias a constant."""
+    x = _input(args, kwargs, "input")
+    return rules.layer_norm_rule(x.to(work_dtype), module.weight, module.bias, module.eps,
+                                 dims=len(module.normalized_shape))
+
+
+def _activation_rule(act_fn, x):
+    """An element-wise activation module (SiLU, GELU, ReLU, ...) by the identity rule."""
+    with torch.no_grad():
+        activated = act_fn(x)
+    return rules.identity_rule(x, activated)
+
+
+def glu_mlp(module, args, kwargs, output, work_dtype):
+    """A gated MLP ``down(act(gate(x)) ⊙ up(x))``: the activation by the identity rule, the product by the half
+    rule (both factors depend on x)."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
+    return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+
+
+def plain_mlp(module, args, kwargs, output, work_dtype):
+    """An MLP ``down(act(up(x)))`` (NemotronH's ReLU²): the activation by the identity rule."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    return F.linear(_activation_rule(module.act_fn, up), module.down_proj.weight.to(work_dtype),
+                    _bias(module.down_proj, work_dtype))
+
+
+def falcon_h1_mlp(module, args, kwargs, output, work_dtype):
+    """FalconH1's gated MLP ``down(up(x) ⊙ act(gate(x) · m_g)) · m_d``: identity and half rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
+    gate = gate * module.gate_multiplier
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    inner = rules.half_product(up, _activation_rule(module.act_fn, gate))
+    down = F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+    return down * module.down_multiplier
+
+
+def chunked_glu_mlp(module, args, kwargs, output, work_dtype):
+    """GraniteMoeHybrid's shared MLP ``output(act(a) ⊙ b)``, ``a, b = input(x).chunk(2)``: identity and half
+    rules."""
+    x = _input(args, kwargs).to(work_dtype)
+    a, b = F.linear(x, module.input_linear.weight.to(work_dtype), _bias(module.input_linear, work_dtype)).chunk(2, -1)
+    inner = rules.half_product(_activation_rule(module.activation, a), b)
+    return F.linear(inner, module.output_linear.weight.to(work_dtype), _bias(module.output_linear, work_dtype))
+
+
+def zamba2_mlp(module, args, kwargs, output, work_dtype):
+    """Zamba2's shared gated MLP with its per-call low-rank adapter: ``down(act(a) ⊙ b)``, ``a, b =
+    (gate_up(x) + adapter_ℓ(x)).chunk(2)`` (the adapter linear): identity and half rules."""
+    x = _input(args, kwargs, "hidden_state")
+    layer_idx = args[1] if len(args) > 1 else kwargs.get("layer_idx")
+    adapter = module.gate_up_proj_adapter_list[module.layer_dic[layer_idx]]
+    gate_up = F.linear(x.to(work_dtype), module.gate_up_proj.weight.to(work_dtype),
+                       _bias(module.gate_up_proj, work_dtype)) + adapter(x).to(work_dtype)
+    a, b = gate_up.chunk(2, dim=-1)
+    inner = rules.half_product(_activation_rule(module.act_fn, a), b)
+    return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
+
+
+def rwkv_channel_mixing(module, args, kwargs, output, work_dtype):
+    """RWKV-4's channel mixing ``σ(receptance(x_r)) ⊙ value(relu(key(x_k))²)``, x_k / x_r the token-shifted mixes
+    (linear): ReLU² by the identity rule (the same as the half rule on relu · relu), the receptance gate by
+    :func:`mamba_captum.rules.sigmoid_gate`."""
+    hidden = _input(args, kwargs, "hidden")
+    if kwargs.get("state") is not None or (len(args) > 1 and args[1] is not None):
+        raise NotImplementedError("mamba_captum: MambaLRP explains whole sequences (no state).")
+    shifted = F.pad(hidden, (0, 0, 1, -1))
+    mix = lambda mu: hidden * mu + shifted * (1 - mu)  # noqa: E731
+    w = lambda t: t.to(work_dtype)  # noqa: E731
+    key = F.linear(w(mix(module.time_mix_key)), w(module.key.weight), _bias(module.key, work_dtype))
+    key = rules.identity_rule(key, torch.relu(key.detach()).square())
+    value = F.linear(key, w(module.value.weight), _bias(module.value, work_dtype))
+    receptance = F.linear(w(mix(module.time_mix_receptance)), w(module.receptance.weight),
+                          _bias(module.receptance, work_dtype))
+    return rules.sigmoid_gate(receptance, value)
+
+
+def lfm_mlp(module, args, kwargs, output, work_dtype):
+    """LFM2 / LFM3's gated MLP ``w2(silu(w1 x) ⊙ w3 x)``: identity and half rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.w1.weight.to(work_dtype), _bias(module.w1, work_dtype))
+    up = F.linear(x, module.w3.weight.to(work_dtype), _bias(module.w3, work_dtype))
+    return F.linear(rules.half_product(rules.silu_rule(gate), up), module.w2.weight.to(work_dtype),
+                    _bias(module.w2, work_dtype))
+
+
+def xlstm_feed_forward(module, args, kwargs, output, work_dtype):
+    """xLSTM's gated feed-forward ``down(silu(gate) ⊙ z)`` (single or fused up-projections): identity and half
+    rules."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    lin = lambda layer, t: F.linear(t, layer.weight.to(work_dtype), _bias(layer, work_dtype))  # noqa: E731
+    if module.config.weight_mode == "single":
+        gate, z = lin(module.proj_up_gate, x), lin(module.proj_up, x)
+    else:
+        gate, z = torch.tensor_split(lin(module.proj_up_gate_z, x), (module.up_proj_dim,), dim=-1)
+    return lin(module.proj_down, rules.half_product(_activation_rule(module.act_fn, gate), z))
+
+
+def signal_gate_input(module, args, kwargs, output, work_dtype):
+    """The input of a sigmoid gate written inside another module's forward (Qwen3.5's and LFM3's gated attention:
+    ``attn ⊙ σ(g)``), detached: the gate takes no relevance (``sigmoid_gates="signal"``; the half rule cannot be
+    applied to an op no hook reaches)."""
+    if rules.sigmoid_gate_rule() != "signal":
+        raise NotImplementedError(f"mamba_captum: the sigmoid output gate of this attention ({type(module).__name__} "
+                                  "feeds it) sits inside the attention's forward, where only sigmoid_gates='signal' "
+                                  "can be applied.")
+    return output.detach().to(work_dtype)
+
+
+def _bias(linear, dtype):
+    return None if linear.bias is None else linear.bias.to(dtype)
+
+
+def experts(module, args, kwargs, output, work_dtype):
+    """Stacked experts ``Σ_k w_k · down_e(act(gate_e(x)) ⊙ up_e(x))`` over the top-k experts e of each token
+    (transformers 5's expert modules: ``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)): the routing weights
+    w_k detached (the router takes no relevance, like a softmax), each expert a gated MLP (identity and half
+    rules)."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args) + [kwargs[n] for n in names[len(args):]]
+    hidden, index, weights = values[:3]
+    x = hidden.to(work_dtype)
+    out = torch.zeros_like(x)
+    for expert in range(module.num_experts):
+        tokens, slot = torch.where(index == expert)
+        if tokens.numel() == 0:
+            continue
+        gate, up = F.linear(x[tokens], module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
+        inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
+        y = F.linear(inner, module.down_proj[expert].to(work_dtype))
+        out = out.index_add(0, tokens, y * weights[tokens, slot, None].detach().to(work_dtype))
+    return out
+
+
+def _check_experts(module) -> str | None:
+    """Why the stacked-experts rule does not fit ``module`` (None when it does)."""
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(module, name, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            return f"no 3-D {name} weight"
+    if any(getattr(module, name, None) is not None for name in ("gate_up_proj_bias", "down_proj_bias")):
+        return "expert biases"
+    if getattr(module, "is_transposed", False) or not getattr(module, "has_gate", True):
+        return "a transposed or ungated expert layout"
+    if module.gate_up_proj.shape[-1] != module.down_proj.shape[-2]:
+        return "an unexpected expert layout"
+    return None
+
+
+# model classes whose forward soft-caps the head's logits (PlannedRule.soft_cap): the config attribute of the cap
+SOFT_CAPPED_HEADS = {"RecurrentGemmaForCausalLM": "logits_soft_cap", "xLSTMForCausalLM": "output_logit_soft_cap"}
+
+RULES = {
+    "JambaMLP": glu_mlp, "JambaExperts": experts,
+    "BambaMLP": glu_mlp,
+    "NemotronHMLP": plain_mlp,
+    "FalconH1MLP": falcon_h1_mlp,
+    "GraniteMoeHybridMLP": chunked_glu_mlp, "GraniteMoeHybridExperts": experts,
+    "Zamba2MLP": zamba2_mlp,
+    "RwkvFeedForward": rwkv_channel_mixing,
+    "RecurrentGemmaMlp": glu_mlp,
+    "Qwen3_5MLP": glu_mlp, "OlmoHybridMLP": glu_mlp,
+    "Lfm2MLP": lfm_mlp, "Lfm3MLP": lfm_mlp,
+    "MiniMaxExperts": experts,
+    "xLSTMFeedForward": xlstm_feed_forward,
+    "Qwen3NextMLP": glu_mlp, "Qwen3NextExperts": experts,
+    "Qwen3_5MoeMLP": glu_mlp, "Qwen3_5MoeExperts": experts,
+    "Lfm2MoeMLP": lfm_mlp, "Lfm2MoeExperts": experts,
+    "KimiLinearMLP": glu_mlp, "KimiLinearExperts": experts,
+    "BailingHybridMLP": glu_mlp, "BailingHybridExperts": experts,
+    "ZambaMLP": glu_mlp,
+}
+
+# (container class, child attribute): a child whose output only feeds a sigmoid gate (and the softmax's detached
+# queries) inside the container's own forward; planned with :func:`signal_gate_input`
+SIGNAL_GATE_INPUTS = {("Qwen3_5Attention", "q_proj"), ("Lfm3Attention", "g_proj"), ("Qwen3NextAttention", "q_proj"),
+                      ("Qwen3NextSparseMoeBlock", "shared_expert_gate"), ("Qwen3_5MoeAttention", "q_proj"),
+                      ("Qwen3_5MoeSparseMoeBlock", "shared_expert_gate"), ("BailingHybridAttention", "g_proj")}
+
+
+def rule_for(module: nn.Module):
+    """The rule of a module, or None."""
+    name = type(module).__name__
+    if name in RULES:
+        return RULES[name]
+    if type(module).forward is nn.LayerNorm.forward:
+        return layer_norm
+    if name.endswith("RMSNorm") and "Gated" not in name and _single_input(module):
+        return rms_norm
+    return None
+
+
+def _single_input(module) -> bool:
+    import inspect
+
+    parameters = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(parameters) == 1
+
+
+def _is_linear(module) -> bool:
+    if type(module) in (nn.Linear, nn.Embedding, nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential):
+        return True
+    return isinstance(module, nn.modules.dropout._DropoutNd)
+
+
+@dataclass(eq=False)
+class PlannedRule:
+    """One module whose output is replaced: ``rule`` (None for a token mixer, whose adapter gives it) at ``path``."""
+
+    module: nn.Module
+    path: str
+    rule: object = None
+    located: object = None  # the LocatedMixer of a token mixer
+    # a model whose forward soft-caps its head's logits z, s = c · tanh(z / c), an op no hook reaches: its output's
+    # logits are replaced by the identity rule z · (s / z)̄ (same value), z recorded at ``head`` during the call
+    soft_cap: float | None = None
+    head: nn.Module | None = None
+
+
+def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
+    """The modules whose outputs MambaLRP replaces, in module order.
+
+    Raises:
+        NotImplementedError: a module without a rule whose forward is not known to be linear (named, with the model
+            type), or a token mixer whose family has no LRP rules yet.
+    """
+    by_module = {id(m.module): m for m in mixers}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for located in mixers:  # a token mixer without rules is the most telling refusal: name its family's reason
+        if not hasattr(located.adapter, "lrp"):
+            raise NotImplementedError(
+                f"mamba_captum: MambaLRP has no rules for the token mixer {type(located.module).__name__} "
+                f"({located.name}{f', model type {model_type!r}' if model_type else ''}) yet: "
+                f"{getattr(located.adapter, 'LRP_UNSUPPORTED', 'its family is not covered')}.")
+    planned: list[PlannedRule] = []
+    seen: set[int] = set()  # a module shared by several layers (Zamba2's shared block) is planned once
+
+    def visit(module, path):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        located = by_module.get(id(module))
+        if located is not None:
+            planned.append(PlannedRule(module, path, located=located))
+            return
+        rule = rule_for(module)
+        if rule is experts and _check_experts(module) is not None:
+            raise NotImplementedError(f"mamba_captum: MambaLRP's experts rule does not fit {type(module).__name__} "
+                                      f"({path}): {_check_experts(module)}.")
+        if rule is not None:
+            planned.append(PlannedRule(module, path, rule))
+            return
+        name = type(module).__name__
+        if name.endswith(NO_RELEVANCE_PATH_SUFFIXES) or name in NO_RELEVANCE_PATH:
+            return
+        if not (_is_linear(module) or name in LINEAR_CONTAINERS):
+            raise NotImplementedError(
+                f"mamba_captum: MambaLRP has no rule for {name} ({path or 'the model'}"
+                f"{f', model type {model_type!r}' if model_type else ''}): its forward is not known to be linear, so "
+                "the relevance would not be conserved through it. The covered models are listed in "
+                "docs/methods/lrp.md.")
+        cap_name = SOFT_CAPPED_HEADS.get(name)
+        if cap_name and getattr(module.config, cap_name, None):
+            planned.append(PlannedRule(module, path, soft_cap=float(getattr(module.config, cap_name)),
+                                       head=module.get_output_embeddings()))
+        for child_name, child in module.named_children():
+            child_path = f"{path}.{child_name}" if path else child_name
+            if (name, child_name) in SIGNAL_GATE_INPUTS and id(child) not in seen:
+                seen.add(id(child))
+                planned.append(PlannedRule(child, child_path, signal_gate_input))
+                continue
+            visit(child, child_path)
+
+    visit(model, "")
+    return planned

@@ -1,0 +1,466 @@
+"""MambaLRP: the rules on hand-computed cases, conservation per family (float64: Σ relevance + the biases' share =
+the logit of the modified forward, which is the model's own logit), the modified forward's values, Captum's
+conventions (targets, batch = single examples, padding), and nothing left on the model."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mamba_captum as mc
+from mamba_captum import rules
+from mamba_captum.capture import ATTENTION_PATCH
+from tiny_models import make_model
+
+TARGET = 5
+
+
+# -- the rules, by hand ---------------------------------------------------------------------------------------------
+def _relevance(output, *inputs):
+    """gradient × input of Σ output for each input."""
+    grads = torch.autograd.grad(output.sum(), inputs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g * x for g, x in zip(grads, inputs)]
+
+
+def test_half_rule_splits_a_product_fifty_fifty():
+    x = torch.tensor([0.7, -1.3, 2.0], dtype=torch.float64, requires_grad=True)
+    a, b = 3.0 * x, x - 0.5 * x.flip(0)  # two factors that both depend on x
+    ra, rb = _relevance(rules.half_product(a, b), a, b)
+    assert torch.allclose(rules.half_product(a, b), a * b)
+    assert torch.allclose(ra, 0.5 * a * b) and torch.allclose(rb, 0.5 * a * b)
+    # through the factors' linear maps back to x: the product's relevance, all of it
+    (rx,) = _relevance(rules.half_product(a, b), x)
+    assert torch.allclose(rx.sum(), (a * b).sum())
+
+
+@pytest.mark.parametrize("act", [torch.sigmoid, F.silu, F.gelu, torch.tanh])
+def test_identity_rule_gives_the_activation_all_of_its_relevance(act):
+    x = torch.tensor([-2.0, -0.3, 0.4, 1.7], dtype=torch.float64, requires_grad=True)
+    out = rules.identity_rule(x, act(x))
+    assert torch.allclose(out, act(x))
+    (rx,) = _relevance(out, x)
+    assert torch.allclose(rx, act(x))  # element by element
+
+
+def test_identity_rule_keeps_a_nonzero_value_at_zero_as_a_constant():
+    x = torch.tensor([0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    out = rules.identity_rule(x, torch.sigmoid(x))
+    assert torch.allclose(out, torch.sigmoid(x))
+    (rx,) = _relevance(out, x)
+    assert rx[0] == 0 and torch.isclose(rx[1], torch.sigmoid(x[1]))
+
+
+def test_silu_rule_is_the_identity_rule():
+    x = torch.tensor([-1.5, 0.0, 0.2, 3.0], dtype=torch.float64, requires_grad=True)
+    (rx,) = _relevance(rules.silu_rule(x), x)
+    assert torch.allclose(rules.silu_rule(x), F.silu(x)) and torch.allclose(rx, F.silu(x))
+
+
+def test_a_detached_factor_takes_no_relevance():
+    x = torch.tensor([0.5, -2.0], dtype=torch.float64, requires_grad=True)
+    scale = torch.softmax(3.0 * x, 0)  # a data-dependent factor, e.g. a probability
+    (rx,) = _relevance(rules.scaled(x, scale), x)
+    assert torch.allclose(rules.scaled(x, scale), scale * x) and torch.allclose(rx, scale * x)
+
+
+def test_sigmoid_gates_signal_takes_all_or_half():
+    x = torch.tensor([0.3, -1.2, 2.5], dtype=torch.float64, requires_grad=True)
+    pre, value = 2.0 * x - 0.1, 3.0 * x
+    expected = torch.sigmoid(pre) * value
+    r_pre, r_value = _relevance(rules.sigmoid_gate(pre, value), pre, value)
+    assert torch.allclose(rules.sigmoid_gate(pre, value), expected)
+    assert r_pre.abs().max() == 0 and torch.allclose(r_value, expected)  # the default: the signal takes all
+    with rules.sigmoid_gates("half"):
+        r_pre, r_value = _relevance(rules.sigmoid_gate(pre, value), pre, value)
+    assert torch.allclose(r_pre, 0.5 * expected) and torch.allclose(r_value, 0.5 * expected)
+    with pytest.raises(ValueError):
+        with rules.sigmoid_gates("identity"):
+            pass
+
+
+def test_norm_rules_conserve_per_token():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    weight, bias = torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64, requires_grad=True)
+    rms = weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    out = rules.rms_norm_rule(x, rms)
+    assert torch.allclose(out, rms)
+    (rx,) = _relevance(out, x)
+    assert torch.allclose(rx, rms)  # feature by feature: the normaliser takes nothing
+    layer = F.layer_norm(x, (6,), weight, bias, 1e-5)
+    out = rules.layer_norm_rule(x, weight, bias, 1e-5)
+    assert torch.allclose(out, layer)
+    rx, rb = _relevance(out, x, bias)
+    assert torch.allclose(rx.sum(-1) + bias.sum() * 0, (out - bias).sum(-1))  # per token: all but the bias
+    assert torch.allclose(rb, bias * 6)  # the bias keeps its own value, at every one of the 6 tokens
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+def spread_biases(model, seed=1):
+    """Random biases everywhere (a random init leaves most of them 0); returns them, requiring grad."""
+    generator = torch.Generator().manual_seed(seed)
+    biases = []
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") and parameter.is_floating_point():
+                parameter.uniform_(-0.5, 0.5, generator=generator)
+                biases.append(parameter.requires_grad_(True))
+    return biases
+
+
+def zero_biases(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") and parameter.is_floating_point():
+                parameter.zero_()
+
+
+def float64_head(model):
+    """forward_func: the last position's logits in the model's dtype (HF's causal LMs cast them to float32; the
+    conservation is checked against these), without any soft-capping of the head."""
+    def forward(ids, attention_mask=None, **kwargs):
+        hidden = model.base_model(ids, attention_mask=attention_mask, use_cache=False, **kwargs).last_hidden_state
+        return model.get_output_embeddings()(hidden)[:, -1]
+    return forward
+
+
+def explain_with_share(model, ids, mask=None, target=TARGET, **forward_kwargs):
+    """(relevance, delta, bias share, explained score of the modified forward, real score), float64 head."""
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias") and p.requires_grad]
+    head = float64_head(model)
+    method = mc.MambaLRP(model, forward_func=head)
+    relevance, delta, share = method._explain(ids, target, None, mask, None, forward_kwargs, parameters=biases)
+    with torch.no_grad():
+        real = head(ids, attention_mask=mask, **forward_kwargs)[:, target]
+    modified = relevance.sum(-1).double() - delta  # delta = Σ relevance − the modified forward's score
+    return relevance, delta, share, modified, real
+
+
+def no_hooks_left(model):
+    hooked = [name for name, module in model.named_modules() if module._forward_hooks or module._forward_pre_hooks]
+    return not hooked and ATTENTION_PATCH.users == 0
+
+
+# -- Mamba-1 --------------------------------------------------------------------------------------------------------
+MAMBA1 = ["mamba", "falcon_mamba"]
+# residual_in_fp32 (the default) rounds the residual stream of a float64 model to float32 in every block: the
+# model's own rounding, which no relevance can follow; float64 all through for the float64 conservation checks
+EXACT = dict(residual_in_fp32=False)
+
+
+# Per family: the config overrides that give every bias a chance (in_proj / out_proj biases of the SSM mixers).
+CONSERVING = {"mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True), "mamba2": dict(use_bias=True),
+              "jamba": {}, "bamba": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True),
+              "nemotron_h": dict(mlp_bias=True, use_bias=True),
+              "falcon_h1": dict(attention_bias=True, mamba_proj_bias=True, mlp_bias=True, projectors_bias=True),
+              "granitemoehybrid": dict(attention_bias=True, mamba_proj_bias=True),
+              "zamba2": dict(add_bias_linear=True), "rwkv": {}, "recurrent_gemma": {},
+              "zamba": {}, "qwen3_next": dict(attention_bias=True), "qwen3_5": dict(attention_bias=True),
+              "qwen3_5_moe": dict(attention_bias=True), "olmo_hybrid": dict(attention_bias=True),
+              "kimi_linear": dict(attention_bias=True), "bailing_hybrid": dict(attention_bias=True), "minimax": {},
+              "lfm2": dict(conv_bias=True), "lfm2_moe": dict(conv_bias=True), "lfm3": dict(conv_bias=True),
+              "xlstm": dict(use_bias=True)}
+NO_BIASES = {"minimax"}  # no bias anywhere in these configs
+
+
+@pytest.mark.parametrize("family", list(CONSERVING))
+def test_conservation_with_biases(family):
+    """Σ relevance + the biases' share (Σ bias · ∂score/∂bias under the rules) = the modified forward's logit to
+    float64 precision, which is the model's own logit (to the float32 HF runs some float64 steps in)."""
+    model = make_model(family, dtype=torch.float64, **EXACT, **CONSERVING[family])
+    spread_biases(model)
+    ids = torch.randint(3, 64, (1, 10))
+    relevance, delta, share, modified, real = explain_with_share(model, ids)
+    assert abs(share) > 1e-4 or family in NO_BIASES  # the biases matter here
+    # the sums' rounding: relative to the largest terms (LayerNorm's centring makes large cancelling relevances)
+    scale = max(1.0, abs(float(modified)), abs(share), float(relevance.abs().sum()))
+    assert abs(float(delta) + share) <= 1e-13 * scale
+    assert abs(float(modified) - float(real)) <= 1e-6 * max(1.0, abs(float(real)))
+    assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize("family", list(CONSERVING))
+def test_without_biases_the_relevance_sums_to_the_logit(family):
+    model = make_model(family, dtype=torch.float64, **EXACT)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 9))
+    relevance, delta = mc.MambaLRP(model, forward_func=float64_head(model)).attribute(
+        ids, target=TARGET, return_convergence_delta=True)
+    assert relevance.shape == (2, 9) and relevance.dtype == torch.float64
+    assert (delta.abs() <= 1e-13 * relevance.abs().sum(-1).clamp(min=1.0)).all()
+
+
+def _rms_detached(norm, x):
+    return norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).detach()
+
+
+def _reference_mixer(mixer, h):
+    """MambaMixer under the MambaLRP rules, written out from the paper (token loop, no library code)."""
+    length = h.shape[1]
+    x, z = mixer.in_proj(h).chunk(2, dim=-1)
+    conv = mixer.conv1d(x.transpose(1, 2))[..., :length].transpose(1, 2)
+    u = conv * torch.sigmoid(conv).detach()  # SiLU, identity rule
+    dt, B, C = mixer.x_proj(u).split([mixer.time_step_rank, mixer.ssm_state_size, mixer.ssm_state_size], dim=-1)
+    delta = F.softplus(mixer.dt_proj(dt))
+    A = -torch.exp(mixer.A_log)
+    decay = torch.exp(delta[..., None] * A).detach()  # Δ, B, C detached
+    inject = (delta[..., None] * B[:, :, None, :]).detach()
+    state = h.new_zeros(h.shape[0], x.shape[-1], A.shape[-1])
+    ys = []
+    for t in range(length):
+        state = decay[:, t] * state + inject[:, t] * u[:, t, :, None]
+        ys.append((state * C[:, t, None, :].detach()).sum(-1))
+    y = torch.stack(ys, 1) + mixer.D * u
+    out = y * (z * torch.sigmoid(z).detach())  # gate, SiLU by the identity rule
+    out = 0.5 * out + 0.5 * out.detach()  # the half rule, as a product of two linear factors
+    return mixer.out_proj(out)
+
+
+def test_mamba1_matches_a_reference_written_from_the_paper():
+    model = make_model("mamba", dtype=torch.float64)
+    spread_biases(model)
+    ids = torch.randint(3, 64, (2, 7))
+    embeddings = model.backbone.embeddings(ids).detach().requires_grad_(True)
+    hidden = embeddings
+    for block in model.backbone.layers:
+        hidden = hidden + _reference_mixer(block.mixer, _rms_detached(block.norm, hidden))
+    logit = model.lm_head(_rms_detached(model.backbone.norm_f, hidden))[:, -1, TARGET]
+    (grad,) = torch.autograd.grad(logit.sum(), embeddings)
+    expected = (grad * embeddings).sum(-1)
+    relevance = mc.MambaLRP(model).attribute(ids, target=TARGET)
+    assert (relevance - expected).abs().max() <= 1e-6 * expected.abs().max()
+
+
+# -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
+HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "zamba"]
+LINEAR = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "lfm2",
+          "lfm2_moe", "lfm3"]
+MASKED = MAMBA1 + ["mamba2"] + HYBRIDS + LINEAR  # families whose mixers take attention_mask (left padding)
+RECURRENT = ["rwkv", "recurrent_gemma", "xlstm"]  # mixers that ignore attention_mask: right padding only
+SOFTMAX = set(HYBRIDS) | set(LINEAR) | {"recurrent_gemma"}  # families with softmax attention layers
+COVERED = MASKED + RECURRENT
+
+
+def modified_logits(model, ids, mask=None, **kwargs):
+    """The logits of the model's forward under the rules (the context manager the method uses)."""
+    from mamba_captum.attention import _model_dtype
+    from mamba_captum.families import locate
+    from mamba_captum.families.layers import lrp_plan
+    from mamba_captum.lrp import LRPForward
+
+    dtype = _model_dtype(model)
+    plan = lrp_plan(model, locate(model)[1])
+    token_mask = torch.ones(ids.shape, dtype=torch.float32) if mask is None else mask.float()
+    with torch.enable_grad(), LRPForward(plan, model.get_input_embeddings(), token_mask,
+                                         torch.float64 if dtype == torch.float64 else torch.float32, dtype) as rules_on:
+        logits = model(ids, attention_mask=mask, use_cache=False, **kwargs).logits
+        assert rules_on.embeddings and rules_on.embeddings[0].requires_grad and logits.requires_grad
+    return logits.detach()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.float64, 1e-6)])
+@pytest.mark.parametrize("family", COVERED)
+def test_the_modified_forward_gives_the_models_output(family, dtype, bound):
+    model = make_model(family, dtype=dtype)
+    spread_biases(model)
+    ids = torch.randint(3, 64, (2, 8))
+    with torch.no_grad():
+        real = model(ids, use_cache=False).logits
+    modified = modified_logits(model, ids)
+    assert (modified - real).abs().max() <= bound * real.abs().max()
+    assert no_hooks_left(model)
+
+
+@pytest.mark.parametrize("family", COVERED)
+def test_batch_equals_single_examples_and_targets_follow_captum(family):
+    model = make_model(family)
+    ids = torch.randint(3, 64, (3, 7))
+    method = mc.MambaLRP(model)
+    batched = method.attribute(ids, target=[4, 9, 11])
+    singles = torch.cat([method.attribute(ids[i:i + 1], target=t) for i, t in enumerate([4, 9, 11])])
+    assert batched.shape == (3, 7)
+    assert (batched - singles).abs().max() <= 1e-5 * singles.abs().max()
+    assert torch.equal(method.attribute(ids, target=(4,)), method.attribute(ids, target=4))
+    argmax = model(ids).logits[:, -1].argmax(-1)
+    assert torch.allclose(method.attribute(ids), method.attribute(ids, target=argmax))
+    with pytest.raises(IndexError):
+        method.attribute(ids, target=64)
+    assert no_hooks_left(model) and torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("family", MASKED)
+def test_left_padding_gives_the_unpadded_relevance(family):
+    # sdpa: HF's eager attention gives NaN on fully padded rows in float64
+    model = make_model(family, dtype=torch.float64, attn_implementation="sdpa" if family in SOFTMAX else "eager")
+    spread_biases(model)
+    ids = torch.randint(3, 64, (1, 6))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 6, dtype=torch.long)], 1)
+    method = mc.MambaLRP(model)
+    alone, delta_alone = method.attribute(ids, target=TARGET, return_convergence_delta=True)
+    relevance, delta = method.attribute(padded, target=TARGET, attention_mask=mask, return_convergence_delta=True)
+    assert relevance[:, :3].abs().max() == 0
+    assert (relevance[:, 3:] - alone).abs().max() <= 1e-6 * alone.abs().max()
+    assert abs(float(delta - delta_alone)) <= 1e-6
+
+
+@pytest.mark.parametrize("family", COVERED)
+def test_embeddings_give_per_feature_relevance(family):
+    model = make_model(family, dtype=torch.float64)
+    ids = torch.randint(3, 64, (2, 6))
+    embeddings = model.get_input_embeddings()(ids).detach()
+    method = mc.MambaLRP(model)
+    per_feature = method.attribute(embeddings, target=TARGET)
+    assert per_feature.shape == embeddings.shape
+    assert torch.allclose(per_feature.sum(-1), method.attribute(ids, target=TARGET))
+    (as_tuple,) = method.attribute((embeddings,), target=TARGET)
+    assert torch.equal(as_tuple, per_feature)
+
+
+def test_captum_flags_and_nothing_left_after_an_error():
+    model = make_model("mamba")
+    method = mc.MambaLRP(model)
+    assert method.multiplies_by_inputs and method.has_convergence_delta()
+    with pytest.raises(NotImplementedError):
+        method.attribute_future(torch.ones(1, 3, dtype=torch.long))
+    ids = torch.randint(3, 64, (2, 5))
+    with pytest.raises(ValueError):
+        method.attribute(ids, target=[1, 2, 3])  # three targets for two examples: raised inside the forward's context
+    assert no_hooks_left(model) and torch.is_grad_enabled()
+    with torch.no_grad():
+        method.attribute(ids, target=1)
+        assert not torch.is_grad_enabled()
+    with mc.MambaLRP(model) as attr:
+        attr.attribute(ids, target=1)
+    assert no_hooks_left(model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# -- softmax layers of hybrids: the value path only ------------------------------------------------------------------
+def _attention_modules(model):
+    return [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "k_proj") and hasattr(m, "v_proj")]
+
+
+@pytest.mark.parametrize("family", sorted(SOFTMAX))
+def test_softmax_layers_pass_relevance_through_the_values_only(family):
+    model = make_model(family, dtype=torch.float64)
+    attention = _attention_modules(model)
+    assert attention
+    ids = torch.randint(3, 64, (1, 8))
+    method = mc.MambaLRP(model)
+    queries_keys = [m.q_proj.weight for m in attention] + [m.k_proj.weight for m in attention]
+    values = [m.v_proj.weight for m in attention]
+    assert method._explain(ids, TARGET, None, None, None, {}, parameters=queries_keys)[2] == 0.0  # P̄: no gradient
+    assert method._explain(ids, TARGET, None, None, None, {}, parameters=values)[2] != 0.0
+
+
+def test_a_sequence_classifier_explains_its_pooled_logit():
+    import transformers as tf
+
+    causal = make_model("jamba", dtype=torch.float64, **EXACT)
+    config = causal.config.__class__(**{**causal.config.to_dict(), "num_labels": 3})
+    config._experts_implementation = "eager"  # grouped_mm takes no float64
+    torch.manual_seed(0)
+    model = tf.JambaForSequenceClassification(config).to(torch.float64).eval()
+    ids = torch.randint(3, 64, (2, 7))
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=[0, 2], return_convergence_delta=True)
+    assert relevance.shape == (2, 7)
+    assert delta.abs().max() <= 1e-12  # the score head has no bias; the logits are float64 here
+    with pytest.raises(ValueError):
+        mc.MambaLRP(model).attribute(ids, target=0, position=3)
+
+
+def test_a_soft_capped_head_takes_the_identity_rule():
+    """RecurrentGemma soft-caps its logits, s = c · tanh(z / c), inside its forward: the relevance sums to s."""
+    model = make_model("recurrent_gemma", dtype=torch.float64)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 7))
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * relevance.abs().sum(-1).clamp(min=1.0)).all()
+    model.config.logits_soft_cap = 0.05  # a cap that bites: s ≠ z
+    capped, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * capped.abs().sum(-1).clamp(min=1.0)).all()
+    with torch.no_grad():
+        s = model(ids).logits[:, -1, TARGET]
+        z = torch.atanh(s / 0.05) * 0.05
+    # the cap scales every token alike (s / z from the real logits: HF runs the RG-LRU in float32)
+    assert torch.allclose(capped, relevance * (s / z)[:, None], rtol=1e-4)
+
+
+def test_rwkv_sigmoid_gates_both_conserve():
+    model = make_model("rwkv", dtype=torch.float64)
+    zero_biases(model)
+    ids = torch.randint(3, 64, (2, 7))
+    method = mc.MambaLRP(model)
+    signal, delta = method.attribute(ids, target=TARGET, return_convergence_delta=True)
+    half, delta_half = method.attribute(ids, target=TARGET, sigmoid_gates="half", return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * signal.abs().sum(-1).clamp(min=1.0)).all()
+    assert (delta_half.abs() <= 1e-13 * half.abs().sum(-1).clamp(min=1.0)).all()
+    assert not torch.allclose(signal, half)
+    with pytest.raises(ValueError, match="sigmoid_gates"):
+        method.attribute(ids, target=TARGET, sigmoid_gates="identity")
+
+
+# -- what is not covered is refused, naming the module -----------------------------------------------------------------
+@pytest.mark.parametrize("family, named", [("glm5_next", "Glm5Next"), ("qwen4_exp", "Qwen4Exp")])
+def test_uncovered_families_are_refused_by_name(family, named):
+    model = make_model(family)
+    with pytest.raises(NotImplementedError, match=named):
+        mc.MambaLRP(model)
+    assert no_hooks_left(model)
+
+
+def test_nemotron_h_mixture_of_experts_is_refused():
+    blocks = ["linear_attention", "moe", "full_attention", "linear_attention"]
+    model = make_model("nemotron_h", layers_block_type=blocks, n_routed_experts=2,
+                       num_experts_per_tok=1, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
+                       n_group=1, topk_group=1)
+    with pytest.raises(NotImplementedError, match="NemotronHMoE"):
+        mc.MambaLRP(model)
+
+
+def test_zaya_is_refused_with_the_reason():
+    from test_conv_attention import zaya
+
+    with pytest.raises(NotImplementedError, match="ZAYA's attention convolves its values"):
+        mc.MambaLRP(zaya())
+
+
+def test_vision_models_are_refused():
+    from tiny_models import make_vim
+
+    with pytest.raises(NotImplementedError, match="image models"):
+        mc.MambaLRP(make_vim())
+
+
+def test_an_inline_sigmoid_gate_refuses_the_half_rule():
+    model = make_model("qwen3_5")  # its attention multiplies by σ(gate) inside its forward
+    with pytest.raises(NotImplementedError, match="sigmoid_gates='signal'"):
+        mc.MambaLRP(model).attribute(torch.randint(3, 64, (1, 5)), target=TARGET, sigmoid_gates="half")
+    assert no_hooks_left(model) and torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 3e-2), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_half_precision_conserves_to_its_rounding(family, dtype, bound):
+    model = make_model(family, dtype=dtype)
+    ids = torch.randint(3, 64, (2, 8))
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=TARGET, return_convergence_delta=True)
+    assert relevance.dtype == torch.float32
+    assert (delta.abs() <= bound * relevance.abs().sum(-1)).all()
+
+
+def test_train_mode_dropout_is_refused_and_train_mode_without_it_works():
+    ids = torch.randint(3, 64, (1, 5))
+    with pytest.raises(ValueError, match="eval"):
+        mc.MambaLRP(make_model("jamba", attention_dropout=0.1).train()).attribute(ids, target=1)
+    model = make_model("mamba").train()
+    relevance, delta = mc.MambaLRP(model).attribute(ids, target=1, return_convergence_delta=True)
+    assert model.training and abs(float(delta)) <= 1e-5 * max(1.0, float(relevance.abs().sum()))
+
+
+def test_inkling_is_refused_with_the_reason():
+    from test_inkling import inkling_text
+
+    with pytest.raises(NotImplementedError, match="no rules written yet"):
+        mc.MambaLRP(inkling_text())
