@@ -32,6 +32,23 @@ MIXER_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGa
                  "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 
 
+def silu_mixer(call, why: str):
+    """The recorded mixer, refused unless its conv activation is SiLU (``why``: what assumes it)."""
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; {why}.")
+    return mixer
+
+
+def conv_inputs(call, why: str):
+    """What :func:`rebuild` and :func:`lrp` both start from: (mixer, masked input h, the projections
+    (q, k, v, z, b, a), the conv's pre-activation over cat(q, k, v))."""
+    mixer = silu_mixer(call, why)
+    h = _masked(call.hidden_states, call.attention_mask)
+    pieces = projections(mixer, h)
+    return mixer, h, pieces, causal_conv(torch.cat(pieces[:3], dim=-1), mixer.conv1d)
+
+
 def projections(mixer, h):
     """q, k (B, L, H_k·K), v and the output gate's input z (B, L, H_v·P), b and a (B, L, H_v)."""
     flat = lambda t: t.reshape(t.shape[0], t.shape[1], -1)  # noqa: E731
@@ -137,14 +154,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "the unified operator is defined for silu.")
-    h = _masked(call.hidden_states, call.attention_mask)
-    query, key, value, z, b, a = projections(mixer, h)
+    mixer, h, (query, key, value, z, b, a), conv_pre = conv_inputs(call, "the unified operator is defined for silu")
     key_dim = mixer.key_dim
-    conv_pre = causal_conv(torch.cat([query, key, value], dim=-1), mixer.conv1d)
     mixed = F.silu(conv_pre)
     query, key = mixed[..., :key_dim], mixed[..., key_dim:2 * key_dim]
     beta = torch.sigmoid(b.double())
@@ -193,14 +204,8 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     projections and the conv (linear), the values' SiLU by the identity rule, the delta rule's core α (q, k, β and
     the decay g: the layer's selection) detached, so the output is linear in the values; the gated RMS norm's
     normaliser detached and its gate by :func:`output_gate`. (B, L, D), float64."""
-    mixer = call.located.module
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "MambaLRP's rules are written for silu.")
-    h = _masked(call.hidden_states, call.attention_mask)
-    query, key, value, z, b, a = projections(mixer, h)
+    mixer, h, (query, key, value, z, b, a), conv_pre = conv_inputs(call, "MambaLRP's rules are written for silu")
     key_dim = mixer.key_dim
-    conv_pre = causal_conv(torch.cat([query, key, value], dim=-1), mixer.conv1d)
     with torch.no_grad():
         mixed = F.silu(conv_pre)
         beta = torch.sigmoid(b.double())

@@ -17,11 +17,21 @@ import torch
 import torch.nn.functional as F
 
 from .gated_deltanet import (causal_conv, delta_rule_inputs, delta_rule_lrp, gate_activation, operator_from_pieces,
-                             output_modules)
+                             output_modules, silu_mixer)
 from .mamba import _masked
 from .unhooked import run
 
 MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
+
+
+def _conv_inputs(call, why: str):
+    """(mixer, masked input h, q/k/v width, the conv's pre-activation over cat(q, k, v)): what :func:`rebuild` and
+    :func:`lrp` both start from."""
+    mixer = silu_mixer(call, why)
+    h = _masked(call.hidden_states, call.attention_mask)
+    conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
+                           mixer.conv1d)
+    return mixer, h, mixer.qkv_dim, conv_pre
 
 
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
@@ -30,14 +40,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed, (B, L, D).
     """
-    mixer = call.located.module
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "the unified operator is defined for silu.")
-    h = _masked(call.hidden_states, call.attention_mask)
-    width = mixer.qkv_dim
-    conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
-                           mixer.conv1d)
+    mixer, h, width, conv_pre = _conv_inputs(call, "the unified operator is defined for silu")
     mixed = F.silu(conv_pre)
     batch, length, _ = h.shape
     log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
@@ -57,14 +60,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     """The layer's output under MambaLRP-style rules (:func:`.gated_deltanet.delta_rule_lrp`): the per-channel
     decays, β, q and k detached, the values' SiLU by the identity rule, the σ-gated norm's normaliser detached and
     its sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
-    mixer = call.located.module
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "MambaLRP's rules are written for silu.")
-    h = _masked(call.hidden_states, call.attention_mask)
-    width = mixer.qkv_dim
-    conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
-                           mixer.conv1d)
+    mixer, h, width, conv_pre = _conv_inputs(call, "MambaLRP's rules are written for silu")
     batch, length, _ = h.shape
     with torch.no_grad():
         mixed = F.silu(conv_pre)

@@ -27,23 +27,32 @@ def _rms_scale(norm, output):
     return norm.weight.to(output.dtype) * torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
 
 
+def _projected(call, work_dtype: torch.dtype, why: str):
+    """(mixer, qkv_proj's output (B, L, H, 3d) in ``work_dtype``, the token mask (B, L, 1, 1)): what
+    :func:`rebuild` and :func:`lrp` both start from; the mixer is refused unless its activation is SiLU."""
+    mixer = call.located.module
+    if type(mixer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.act_fn!r}; {why}.")
+    hidden, mask = call.hidden_states, call.attention_mask
+    batch, length, _ = hidden.shape
+    pre = run(mixer.qkv_proj, hidden).to(work_dtype).reshape(batch, length, mixer.num_attention_heads,
+                                                              3 * mixer.head_dim)
+    token_mask = torch.ones(batch, length, 1, 1, dtype=work_dtype, device=hidden.device) if mask is None \
+        else mask.to(work_dtype)[:, :, None, None]
+    return mixer, pre, token_mask
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed, (B, L, D).
     """
-    mixer = call.located.module
-    if type(mixer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.act_fn!r}; "
-                                  "the unified operator is defined for silu.")
+    mixer, pre, token_mask = _projected(call, work_dtype, "the unified operator is defined for silu")
     hidden, mask = call.hidden_states, call.attention_mask
     batch, length, _ = hidden.shape
     heads, head_dim = mixer.num_attention_heads, mixer.head_dim
     w = lambda t: t.to(work_dtype)  # noqa: E731
-    pre = w(run(mixer.qkv_proj, hidden)).reshape(batch, length, heads, 3 * head_dim)
-    token_mask = torch.ones(batch, length, 1, 1, dtype=work_dtype, device=hidden.device) if mask is None \
-        else w(mask)[:, :, None, None]
     q, k, v = (F.silu(pre) * token_mask).split(head_dim, dim=-1)  # (B, L, H, d) each
     slopes = mixer.slope_rate.reshape(heads).double()
     positions = torch.arange(length, dtype=torch.float64, device=hidden.device)
@@ -75,16 +84,10 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     """The layer's output under MambaLRP-style rules: the values' SiLU by the identity rule, the core
     ``(q_t · k_s) exp(−λ (t − s))`` (q, k from the real activations) detached, the RMS norm's normaliser detached,
     the output gate ``σ(g) ⊙ ·`` by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
-    mixer = call.located.module
-    if type(mixer.act_fn).__name__ not in ("SiLU", "SiLUActivation"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.act_fn!r}; "
-                                  "MambaLRP's rules are written for silu.")
-    hidden, mask = call.hidden_states, call.attention_mask
+    mixer, pre, token_mask = _projected(call, work_dtype, "MambaLRP's rules are written for silu")
+    hidden = call.hidden_states
     batch, length, _ = hidden.shape
     heads, head_dim = mixer.num_attention_heads, mixer.head_dim
-    pre = run(mixer.qkv_proj, hidden).to(work_dtype).reshape(batch, length, heads, 3 * head_dim)
-    token_mask = torch.ones(batch, length, 1, 1, dtype=work_dtype, device=hidden.device) if mask is None \
-        else mask.to(work_dtype)[:, :, None, None]
     with torch.no_grad():
         q, k, _ = (F.silu(pre) * token_mask).split(head_dim, dim=-1)
         slopes = mixer.slope_rate.reshape(heads).double()
