@@ -1,4 +1,5 @@
-"""Benchmark: wall time of MambaRawAttention, MambaRollout, MambaAttribution (both gradient rules) and Captum's
+"""Benchmark: wall time of MambaRawAttention, MambaRollout, MambaAttribution (both gradient rules),
+MambaSelectionAttribution, one forward + backward on the fast scans (the reference cost, "fwd_bwd") and Captum's
 LayerIntegratedGradients (embeddings, n_steps=50) on the same random Mamba model, batch 1, fp32, CPU.
 
 Configs: "130m" (the mamba-130m shape: d_model 768, 24 layers, vocab 50280) and "10m" (d_model 256, 12 layers,
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import time
 
-METHODS = ("raw", "rollout", "attribution", "attribution_residual", "lig")
+METHODS = ("raw", "rollout", "attribution", "attribution_residual", "selection", "fwd_bwd", "lig")
 CONFIGS = {
     "130m": dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=16, expand=2, conv_kernel=4),
     "10m": dict(hidden_size=256, num_hidden_layers=12, vocab_size=16384, state_size=16, expand=2, conv_kernel=4),
@@ -44,6 +45,11 @@ def measure(config_name: str, length: int, method: str) -> dict:
         mc.MambaAttribution(model).attribute(ids, target=target)
     elif method == "attribution_residual":
         mc.MambaAttribution(model).attribute(ids, target=target, gradient_rule="residual")
+    elif method == "selection":
+        mc.MambaSelectionAttribution(model).attribute(ids, target=target)
+    elif method == "fwd_bwd":  # the reference cost: one forward + backward of the target logit on the fast scans
+        with mc.fast_scans(model):
+            model(ids, use_cache=False).logits[0, -1, target].backward()
     elif method == "lig":
         from captum.attr import LayerIntegratedGradients
 
