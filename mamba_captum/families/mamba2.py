@@ -43,27 +43,32 @@ def _norm_scale(mixer, y, gate, unfused: bool):
     return norm.weight.to(y.dtype) * inv_rms.expand_as(grouped).reshape(normed.shape)
 
 
+def _projected(call, why: str):
+    """(mixer, in_proj's output over the masked input, with FalconH1's multipliers): what :func:`rebuild` and
+    :func:`lrp` both start from; the mixer is refused unless its conv activation is SiLU."""
+    mixer = call.located.module
+    if mixer.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; {why}.")
+    h = _masked(call.hidden_states, call.attention_mask)
+    if hasattr(mixer, "ssm_in_multiplier"):
+        h = h * mixer.ssm_in_multiplier
+    projected = run(mixer.in_proj, h)
+    if hasattr(mixer, "mup_vector"):
+        projected = projected * mixer.mup_vector
+    return mixer, projected
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
     Returns:
         (operator, rebuilt_output): the :class:`SSDOperator` and the mixer output recomputed from it, (B, L, D_model).
     """
-    mixer = call.located.module
+    mixer, projected = _projected(call, "the unified operator is defined for silu")
     hidden, mask = call.hidden_states, call.attention_mask
     batch, length, _ = hidden.shape
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "the unified operator is defined for silu.")
     heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     d_inner = mixer.intermediate_size
-
-    h = _masked(hidden, mask)
-    if hasattr(mixer, "ssm_in_multiplier"):
-        h = h * mixer.ssm_in_multiplier
-    projected = run(mixer.in_proj, h)
-    if hasattr(mixer, "mup_vector"):
-        projected = projected * mixer.mup_vector
     z, xbc, dt = projected.split([d_inner, mixer.conv_dim, heads], dim=-1)
     conv = mixer.conv1d
     kernel = conv.weight.shape[-1]
@@ -134,21 +139,12 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     (and the gated norm's normaliser ν) detached, so the SSD scan is linear in x; the D skip; the output gate
     ``y ⊙ silu(z)`` by the half rule (SiLU's identity rule on z), times ν̄. Linear in the mixer input; the conv bias
     and the projections' biases (if any) are its constant terms. (B, L, D_model), float64."""
-    mixer = call.located.module
+    mixer, projected = _projected(call, "MambaLRP's rules are written for silu")
     hidden, mask = call.hidden_states, call.attention_mask
     batch, length, _ = hidden.shape
-    if mixer.activation not in ("silu", "swish"):
-        raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
-                                  "MambaLRP's rules are written for silu.")
     heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
     d_inner = mixer.intermediate_size
     w = lambda t: t.to(work_dtype)  # noqa: E731
-    h = _masked(hidden, mask)
-    if hasattr(mixer, "ssm_in_multiplier"):
-        h = h * mixer.ssm_in_multiplier
-    projected = run(mixer.in_proj, h)
-    if hasattr(mixer, "mup_vector"):
-        projected = projected * mixer.mup_vector
     z, xbc, dt = w(projected).split([d_inner, mixer.conv_dim, heads], dim=-1)
     conv = mixer.conv1d
     pre = F.conv1d(xbc.transpose(1, 2), w(conv.weight), None if conv.bias is None else w(conv.bias),
