@@ -24,14 +24,25 @@ from .unhooked import run
 MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
 
 
-def _conv_inputs(call, why: str):
-    """(mixer, masked input h, q/k/v width, the conv's pre-activation over cat(q, k, v)): what :func:`rebuild` and
-    :func:`lrp` both start from."""
+def _pieces(call, why: str, work_dtype: torch.dtype):
+    """What :func:`rebuild` and :func:`lrp` both start from: (mixer, masked input h, q/k/v width, the conv's
+    pre-activation over cat(q, k, v), the delta-rule core (detached: the operator's and the rules' alike), the gate's
+    input, the gated norm and out_proj)."""
     mixer = silu_mixer(call, why)
     h = _masked(call.hidden_states, call.attention_mask)
+    width = mixer.qkv_dim
     conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
                            mixer.conv1d)
-    return mixer, h, mixer.qkv_dim, conv_pre
+    batch, length, _ = h.shape
+    with torch.no_grad():
+        mixed = F.silu(conv_pre)
+        log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
+        beta = torch.sigmoid(run(mixer.b_proj, h).double())
+        core = delta_rule_inputs(mixed[..., :width], mixed[..., width:2 * width], beta, log_decay, mixer.num_heads,
+                                 mixer.head_dim, work_dtype)
+    gate_input = run(mixer.g_proj, h) if hasattr(mixer, "g_proj") else run(mixer.g_b_proj, run(mixer.g_a_proj, h))
+    norm, out_proj = output_modules(mixer)
+    return mixer, h, width, conv_pre, core, gate_input, norm, out_proj
 
 
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
@@ -40,15 +51,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed, (B, L, D).
     """
-    mixer, h, width, conv_pre = _conv_inputs(call, "the unified operator is defined for silu")
-    mixed = F.silu(conv_pre)
-    batch, length, _ = h.shape
-    log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
-    beta = torch.sigmoid(run(mixer.b_proj, h).double())
-    core = delta_rule_inputs(mixed[..., :width], mixed[..., width:2 * width], beta, log_decay, mixer.num_heads,
-                             mixer.head_dim, work_dtype)
-    gate_input = run(mixer.g_proj, h) if hasattr(mixer, "g_proj") else run(mixer.g_b_proj, run(mixer.g_a_proj, h))
-    norm, out_proj = output_modules(mixer)
+    mixer, h, width, conv_pre, core, gate_input, norm, out_proj = _pieces(
+        call, "the unified operator is defined for silu", work_dtype)
     value = run(mixer.v_proj, h)
     return operator_from_pieces(call, formulation, components, work_dtype, core=core, value_pre=value,
                                 conv_pre=conv_pre[..., 2 * width:], taps=mixer.conv1d.weight[2 * width:, 0, :],
@@ -60,15 +64,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     """The layer's output under MambaLRP-style rules (:func:`.gated_deltanet.delta_rule_lrp`): the per-channel
     decays, β, q and k detached, the values' SiLU by the identity rule, the σ-gated norm's normaliser detached and
     its sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
-    mixer, h, width, conv_pre = _conv_inputs(call, "MambaLRP's rules are written for silu")
-    batch, length, _ = h.shape
-    with torch.no_grad():
-        mixed = F.silu(conv_pre)
-        log_decay = run(mixer.forget_gate, h).double().reshape(batch, length, mixer.num_heads, mixer.head_dim)
-        beta = torch.sigmoid(run(mixer.b_proj, h).double())
-        core = delta_rule_inputs(mixed[..., :width], mixed[..., width:2 * width], beta, log_decay, mixer.num_heads,
-                                 mixer.head_dim, work_dtype)
-    gate_input = run(mixer.g_proj, h) if hasattr(mixer, "g_proj") else run(mixer.g_b_proj, run(mixer.g_a_proj, h))
-    norm, out_proj = output_modules(mixer)
+    mixer, _, width, conv_pre, core, gate_input, norm, out_proj = _pieces(
+        call, "MambaLRP's rules are written for silu", work_dtype)
     return delta_rule_lrp(core, conv_pre[..., 2 * width:], gate_input, norm, out_proj, mixer.num_heads,
                           mixer.head_dim, work_dtype)

@@ -45,18 +45,22 @@ def gates(lru, conv_out: torch.Tensor):
     return gate(lru.input_gate_weight, lru.input_gate_bias), gate(lru.recurrent_gate_weight, lru.recurrent_gate_bias)
 
 
+def _recorded(call):
+    """(the recurrent block, its input, the position_ids it was called with, which reset its state)."""
+    position_ids = call.options.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError(f"mamba_captum: {call.located.name} was called without position_ids.")
+    return call.located.module, call.hidden_states, position_ids
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input (and ``position_ids``).
 
     Returns:
         (operator, rebuilt_output): the :class:`DecayOperator` and the mixer output recomputed from it, (B, L, D_model).
     """
-    block = call.located.module
-    hidden = call.hidden_states
+    block, hidden, position_ids = _recorded(call)
     batch, length, _ = hidden.shape
-    position_ids = call.options.get("position_ids")
-    if position_ids is None:
-        raise RuntimeError(f"mamba_captum: {call.located.name} was called without position_ids.")
     lru, conv = block.rg_lru, block.conv_1d
     y_branch = run(block.act_fn, run(block.linear_y, hidden))
     x = run(block.linear_x, hidden)
@@ -118,12 +122,8 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     conv output) detached, so the recurrence is linear in the conv output; the GELU branch by the identity rule;
     ``scan ⊙ gelu(linear_y(h))`` by the half rule. The projections' and conv's biases are its constant terms.
     (B, L, D_model), float64."""
-    block = call.located.module
-    hidden = call.hidden_states
+    block, hidden, position_ids = _recorded(call)
     batch, length, _ = hidden.shape
-    position_ids = call.options.get("position_ids")
-    if position_ids is None:
-        raise RuntimeError(f"mamba_captum: {call.located.name} was called without position_ids.")
     lru, conv = block.rg_lru, block.conv_1d
     y_pre = run(block.linear_y, hidden).double()
     with torch.no_grad():

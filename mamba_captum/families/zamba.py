@@ -31,6 +31,16 @@ from .unhooked import linear_readout, run
 MIXER_CLASSES = ("ZambaMambaMixer",)
 
 
+def _head(mixer, head: int):
+    """Mamba head ``head``'s slice of the layer: (its channels, its conv, its x_proj weight, its dt_proj)."""
+    width = mixer.mamba_head_dim
+    channels = slice(head * width, (head + 1) * width)
+    bias = mixer.conv1d.bias
+    conv = SimpleNamespace(weight=mixer.conv1d.weight[channels], bias=None if bias is None else bias[channels])
+    dt_proj = SimpleNamespace(weight=mixer.dt_proj_weight[head], bias=mixer.dt_proj_bias[head])
+    return channels, conv, mixer.x_proj_weight[head], dt_proj
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -45,15 +55,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                   "the unified operator is defined for silu.")
     projected = run(mixer.in_proj, _masked(hidden, mask))  # (B, L, 2 D_in), x and z interleaved
     x, z = projected[..., 0::2], projected[..., 1::2]
-    width = mixer.mamba_head_dim
     operator_mask = None if mask is None else mask.to(work_dtype)
     pieces, parts = [], []
     for head in range(mixer.n_mamba_heads):
-        channels = slice(head * width, (head + 1) * width)
-        bias = mixer.conv1d.bias
-        conv = SimpleNamespace(weight=mixer.conv1d.weight[channels], bias=None if bias is None else bias[channels])
-        x_weight = mixer.x_proj_weight[head]
-        dt_proj = SimpleNamespace(weight=mixer.dt_proj_weight[head], bias=mixer.dt_proj_bias[head])
+        channels, conv, x_weight, dt_proj = _head(mixer, head)
         p = scan_pieces(x[..., channels], z[..., channels], mask, conv1d=conv,
                         x_proj=lambda u, w=x_weight: F.linear(u, w), dt_proj=dt_proj, A_log=mixer.A_log[head],
                         D=mixer.D[head], rank=mixer.time_step_rank, state_size=mixer.ssm_state_size,
@@ -82,14 +87,9 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
                                   "MambaLRP's rules are written for silu.")
     projected = run(mixer.in_proj, _masked(hidden, mask))
     x, z = projected[..., 0::2], projected[..., 1::2]
-    width = mixer.mamba_head_dim
     inner = []
     for head in range(mixer.n_mamba_heads):
-        channels = slice(head * width, (head + 1) * width)
-        bias = mixer.conv1d.bias
-        conv = SimpleNamespace(weight=mixer.conv1d.weight[channels], bias=None if bias is None else bias[channels])
-        x_weight = mixer.x_proj_weight[head]
-        dt_proj = SimpleNamespace(weight=mixer.dt_proj_weight[head], bias=mixer.dt_proj_bias[head])
+        channels, conv, x_weight, dt_proj = _head(mixer, head)
         with torch.no_grad():
             pieces = scan_pieces(x[..., channels].detach(), z[..., channels].detach(), mask, conv1d=conv,
                                  x_proj=lambda u, w=x_weight: F.linear(u, w), dt_proj=dt_proj, A_log=mixer.A_log[head],
