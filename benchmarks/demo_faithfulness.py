@@ -20,7 +20,8 @@ from mamba_captum.evaluation.tasks import ClassificationTask
 from mamba_captum.fast_scans import fast_scans
 
 KEEP = {"Raw attention (unified)", "Rollout (unified)", "Attribution (unified, grad_x_operator)",
-        "Attribution (hidden, grad_x_operator)", "Attribution (unified, official recipe)"}
+        "Attribution (hidden, grad_x_operator)", "Attribution (unified, official recipe)",
+        "Selection attribution (unified, query)", "Selection attribution (unified, column)", "MambaLRP"}
 
 
 def tasks(tokenizer, count, seed):

@@ -43,7 +43,8 @@ class AttributionCallback(TrainerCallback):
             ``probes`` examples of ``eval_dataloader`` (their ``input_ids`` / ``attention_mask``).
         tokenizer: the tokenizer (default: the Trainer's ``processing_class``).
         every: explain on the first evaluation and every ``every``-th after it (1 = each; 2 = the 1st, 3rd, ...).
-        method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``); the first is imaged.
+        method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``, ``"selection"``,
+            ``"lrp"``); the first is imaged.
         top_k: k of the top-k relevance mass.
         probes: how many eval examples to take when ``texts`` is None.
         target: as :func:`mamba_captum.explain.explain`.

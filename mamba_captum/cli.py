@@ -46,7 +46,8 @@ def _common(parser, model_required=True):
 
 def _method_args(parser):
     parser.add_argument("--method", action="append", choices=list(METHODS),
-                        help="raw, rollout or attribution; repeat for several (default: all three)")
+                        help="raw, rollout, attribution, selection or lrp; repeat for several (default: every one the "
+                        "model supports; raw, rollout and attribution for an image)")
     parser.add_argument("--target", default=None,
                         help="what to explain: a label word / token, or an id (default: the prediction)")
     parser.add_argument("--labels", nargs="+", default=None,
@@ -85,12 +86,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_summary(explanations, file=sys.stdout):
-    for item in explanations:
+def _print_summary(explanations, file=sys.stdout, deciding=None, k=3):
+    """Each text's prediction and each method's top-k tokens; with ``deciding`` (one word mask per text, the demo
+    grammar's deciding words) also those words and, at the end, how many of them each method's top k hold."""
+    found, total = {}, 0
+    for number, item in enumerate(explanations):
         print(f"{item.text!r}: {item.prediction} (p = {item.probability:.3f}); explained: {item.target}", file=file)
+        words = None
+        if deciding is not None:
+            words = {i for i, is_deciding in enumerate(deciding[number]) if is_deciding}
+            total += len(words)
+            print(f"  {'deciding':>11}: {', '.join(item.shown()[i] for i in sorted(words))} (by the grammar)",
+                  file=file)
         for name in item.relevance:
-            tops = ", ".join(f"{token} {score:+.3f}" for token, score in item.top_tokens(name))
+            tops = ", ".join(f"{token} {score:+.3f}" for token, score in item.top_tokens(name, k))
             print(f"  {name:>11}: {tops}", file=file)
+            if words is not None:
+                found[name] = found.get(name, 0) + len(words & set(item.top_indices(name, k)))
+    if found:
+        print(f"deciding words among each method's top {k} ({total} in all): "
+              + ", ".join(f"{name} {count}" for name, count in found.items()), file=file)
 
 
 def _writable_file(path: Path) -> Path:
@@ -168,7 +183,7 @@ def _distinct_files(named: dict) -> None:
 
 
 def _demo(args):
-    from .demo import DEMO_TEXTS, model_dir
+    from .demo import DEMO_TEXTS, grammar, model_dir
     from .explain import explain, load
 
     _writable_file(args.out)
@@ -176,7 +191,7 @@ def _demo(args):
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
-    _print_summary(explanations)
+    _print_summary(explanations, deciding=[grammar.deciding_words(text) for text in DEMO_TEXTS])
     _write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
 
 
@@ -231,7 +246,7 @@ def _explain(args):
         if path is not None:
             _writable_file(path)
     model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
-    methods = args.method or list(METHODS)
+    methods = args.method  # None: every method the model supports
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
                    layer_maps=args.out is not None)
     if args.text:

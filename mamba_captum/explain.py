@@ -1,6 +1,6 @@
 """Texts in, explanations out: the layer the CLI, the HTML report and the Trainer callback share.
 
-``explain(model, tokenizer, texts)`` runs the three methods on each text and returns :class:`Explanation` records
+``explain(model, tokenizer, texts)`` runs the methods (by default every one the model supports) on each text and returns :class:`Explanation` records
 (tokens, prediction, per-method relevance, per-layer implicit-attention maps) that serialise to JSON.
 """
 from __future__ import annotations
@@ -14,11 +14,14 @@ from pathlib import Path
 import torch
 
 from .attention import implicit_attention
-from .attr import MambaAttribution, MambaRawAttention, MambaRollout
+from .attr import MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout, MambaSelectionAttribution
 from .families import SUPPORTED_MIXERS, decoder_layers
 from .session import session
 
-METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution}
+METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution,
+           "selection": MambaSelectionAttribution, "lrp": MambaLRP}
+# the methods that explain one output (``target``); raw and rollout read the operator alone
+CLASS_SPECIFIC = ("attribution", "selection", "lrp")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,9 +62,12 @@ class Explanation:
     def top_tokens(self, method: str, k: int = 3) -> list[tuple[str, float]]:
         """The ``k`` tokens (as shown to people, :meth:`shown`) with the largest |relevance| under ``method``,
         largest first, with their scores."""
-        scores = torch.tensor(self.relevance[method])
-        order = scores.abs().argsort(descending=True, stable=True)[:k]
-        return [(self.shown()[i], float(scores[i])) for i in order.tolist()]
+        scores = self.relevance[method]
+        return [(self.shown()[i], float(scores[i])) for i in self.top_indices(method, k)]
+
+    def top_indices(self, method: str, k: int = 3) -> list[int]:
+        """The positions of :meth:`top_tokens`: the ``k`` largest |relevance| under ``method``, largest first."""
+        return torch.tensor(self.relevance[method]).abs().argsort(descending=True, stable=True)[:k].tolist()
 
     def to_dict(self) -> dict:
         """JSON-safe: everything but the layer maps."""
@@ -374,7 +380,16 @@ def _name(model, tokenizer, index, words, candidates) -> str:
     return tokenizer.convert_ids_to_tokens(int(index)) if tokenizer is not None else str(int(index))
 
 
-def explain(model, tokenizer, texts, *, target=None, methods=tuple(METHODS), formulation: str = "unified",
+def lrp_refusal(model) -> str | None:
+    """None if MambaLRP has rules for every layer of ``model`` (docs/methods/lrp.md lists them), else why not."""
+    try:
+        MambaLRP(model)._runner.close()
+    except NotImplementedError as error:
+        return str(error).removeprefix("mamba_captum: ")
+    return None
+
+
+def explain(model, tokenizer, texts, *, target=None, methods=None, formulation: str = "unified",
             labels=None, layer_maps: bool = True) -> list[Explanation]:
     """Explain each text (one at a time, so no padding) with ``methods``.
 
@@ -384,8 +399,10 @@ def explain(model, tokenizer, texts, *, target=None, methods=tuple(METHODS), for
         tokenizer: its tokenizer.
         texts: a string or a list of strings.
         target: None (explain each prediction), a label word / token string, or an id / class index.
-        methods: names among ``"raw"``, ``"rollout"``, ``"attribution"``.
-        formulation: ``"unified"`` or ``"hidden"``.
+        methods: names among ``"raw"``, ``"rollout"``, ``"attribution"``, ``"selection"``
+            (MambaSelectionAttribution), ``"lrp"`` (MambaLRP); default every one, less ``"lrp"`` for a model
+            without MambaLRP rules (asked for by name, that raises).
+        formulation: ``"unified"`` or ``"hidden"`` (MambaLRP has none: it differentiates the model itself).
         labels: candidate answers of a causal LM (e.g. ``["negative", "positive"]``); see :func:`label_words`.
         layer_maps: also return each layer's (L, L) channel-mean map.
     Returns:
@@ -398,7 +415,7 @@ def explain(model, tokenizer, texts, *, target=None, methods=tuple(METHODS), for
                        formulation=formulation, labels=labels, layer_maps=layer_maps)
 
 
-def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tuple(METHODS),
+def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=None,
                 formulation: str = "unified", labels=None, layer_maps: bool = True) -> list[Explanation]:
     """As :func:`explain`, for token ids: ``inputs`` is a list of (1, L) or (L,) id tensors (no padding), or a
     (B, L) batch with its (B, L) ``attention_mask`` given as ``inputs=(ids, mask)`` (each row is cut to its real
@@ -409,13 +426,20 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
     inputs = [ids if ids.dim() == 2 else ids[None] for ids in inputs]
     if any(ids.shape[1] == 0 for ids in inputs):
         raise UsageError("an input has no tokens (an empty id tensor or an all-zero attention_mask row).")
-    methods = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods))  # each method once
+    chosen = methods is not None
+    methods = list(METHODS) if methods is None else [methods] if isinstance(methods, str) else list(
+        dict.fromkeys(methods))  # each method once
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UsageError(f"unknown method {unknown[0]!r}; choose among {', '.join(METHODS)}.")
     if formulation not in ("unified", "hidden"):
         raise UsageError(f"unknown formulation {formulation!r}; choose unified or hidden.")
     check_supported(model)
+    refusal = lrp_refusal(model) if "lrp" in methods else None
+    if refusal is not None and not chosen:
+        methods.remove("lrp")  # the default: every method the model supports
+    elif refusal is not None:
+        raise UsageError(f"{refusal} Leave out the method lrp.")
     device = next(model.parameters()).device
     if device.type == "meta":
         raise UsageError("the model is on the meta device, which holds no weights; move it to cpu or cuda first.")
@@ -438,9 +462,10 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=tu
         explained = predicted if wanted is None else wanted
         relevance = {}
         for name in methods:
-            options = {"target": explained} if name == "attribution" else {}
-            row = METHODS[name](model).attribute(input_ids, attention_mask=attention_mask, formulation=formulation,
-                                                 **options)
+            options = {"target": explained} if name in CLASS_SPECIFIC else {}
+            if name != "lrp":
+                options["formulation"] = formulation
+            row = METHODS[name](model).attribute(input_ids, attention_mask=attention_mask, **options)
             relevance[name] = [float(v) for v in row[0].float().cpu()]
         maps = None
         if layer_maps:

@@ -16,7 +16,8 @@ from . import __version__
 from .viz import scale_to_unit
 
 METHOD_TITLES = {"raw": "Raw attention (MambaRawAttention)", "rollout": "Attention rollout (MambaRollout)",
-                 "attribution": "Mamba-Attribution (MambaAttribution)"}
+                 "attribution": "Mamba-Attribution (MambaAttribution)",
+                 "selection": "Selection-aware attribution (MambaSelectionAttribution)", "lrp": "MambaLRP (MambaLRP)"}
 
 
 def captum_colour(score: float) -> str:

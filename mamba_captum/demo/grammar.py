@@ -96,3 +96,23 @@ def sentences(count: int, seed: int) -> list[Sentence]:
     """``count`` sentences from ``seed`` (the same list on every machine)."""
     rng = random.Random(seed)
     return [sentence(rng) for _ in range(count)]
+
+
+def deciding_words(text: str) -> list[bool]:
+    """The word mask of a sentence of this grammar by its rules: the adjective of the last clause (after ``but`` if
+    there is one) and the negator right before it or before its intensifier. Raises ValueError for a text with no
+    adjective of the grammar."""
+    words_ = text.split()
+    adjectives = [i for i, word in enumerate(words_) if word in POSITIVE or word in NEGATIVE]
+    if not adjectives:
+        raise ValueError(f"mamba_captum: {text!r} has no adjective of the demo grammar; it cannot say which words "
+                         "decide it.")
+    mask = [False] * len(words_)
+    adjective = adjectives[-1]
+    mask[adjective] = True
+    before = adjective - 1
+    if before >= 0 and words_[before] in INTENSIFIERS:
+        before -= 1
+    if before >= 0 and words_[before] in NEGATORS:
+        mask[before] = True
+    return mask

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from captum.attr import FeatureAblation, InputXGradient, LayerIntegratedGradients, Saliency
 
-from .. import MambaAttribution, MambaRawAttention, MambaRollout, MambaSelectionAttribution, fast_scans
+from .. import MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout, MambaSelectionAttribution, fast_scans
 from ..attr import SPREADS
 from . import metrics
 from .models import FAMILIES, class_logits, load_classifier
@@ -56,7 +56,8 @@ def _ours(cls, **options):
 def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual"), ablation_rule="grad_x_operator",
                      **attribution_options) -> list[Method]:
     """Our methods on ``family``: Raw attention, Rollout, Attribution × {hidden, unified} × gradient rules, the
-    papers' official recipe, and the unified ablations (of Attribution with ``ablation_rule``)."""
+    papers' official recipe, Selection attribution (unified) × spreads, MambaLRP, and the unified ablations (of
+    Attribution with ``ablation_rule``)."""
     methods = []
     for formulation in ("unified", "hidden"):
         methods.append(Method(f"Raw attention ({formulation})", "ours",
@@ -75,6 +76,8 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
             for spread in SPREADS:
                 methods.append(Method(f"Selection attribution ({formulation}, {spread})", "ours",
                                       _ours(MambaSelectionAttribution, formulation=formulation, spread=spread)))
+    # MambaLRP has no formulation: it differentiates the model itself under its rules
+    methods.append(Method("MambaLRP", "ours", _ours(MambaLRP)))
     present = set(FAMILY_COMPONENTS[family]) | (set() if family in CORELESS else {"s6"})
     for label, removed in ABLATIONS.items():
         # an ablation of a part the family lacks would repeat the full operator; one that keeps none of the
