@@ -94,6 +94,15 @@ def test_grammar_labels_follow_negation_and_but():
             assert sentence.deciding.index(True) > sentence.words.index("but")
 
 
+def test_deciding_words_of_a_text_are_the_generated_ones():
+    for sentence in grammar.sentences(400, seed=8):  # the parser agrees with the generator on every sentence
+        assert grammar.deciding_words(sentence.text) == sentence.deciding
+    assert grammar.deciding_words("the movie looked wonderful but the ending was not very good") == [
+        False, False, False, False, False, False, False, False, True, False, True]
+    with pytest.raises(ValueError, match="no adjective of the demo grammar"):
+        grammar.deciding_words("the plot was not")
+
+
 # -- explain -------------------------------------------------------------------------------------------------------
 def test_explain_equals_the_methods_called_directly(demo):
     model, tokenizer = demo
@@ -202,7 +211,15 @@ def test_demo_command_prints_top_tokens_and_writes_the_report(tmp_path):
     assert code == 0, err
     for text in DEMO_TEXTS:
         assert repr(text) in out
-    assert out.count("attribution:") == len(DEMO_TEXTS) and out.count("rollout:") == len(DEMO_TEXTS)
+    for method in ("raw", "rollout", "attribution", "selection", "lrp"):
+        assert out.count(f" {method}: ") == len(DEMO_TEXTS), method
+    assert out.count("deciding: ") == len(DEMO_TEXTS) and "deciding: not, good (by the grammar)" in out
+    # the closing count: the deciding words among each method's printed top 3, in method order
+    (count,) = [line for line in out.splitlines() if line.startswith("deciding words among each method's top 3")]
+    total = sum(sum(grammar.deciding_words(text)) for text in DEMO_TEXTS)
+    assert count.startswith(f"deciding words among each method's top 3 ({total} in all): raw ")
+    found = [int(part.split()[-1]) for part in count.split(": ", 1)[1].split(", ")]
+    assert len(found) == 5 and all(0 <= n <= total for n in found)
     page = (tmp_path / "demo.html").read_text()
     assert page.count("<section class='example'>") == len(DEMO_TEXTS)
     assert page.count("<img ") == 2 * len(DEMO_TEXTS)  # two layers each
