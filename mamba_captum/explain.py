@@ -1,7 +1,8 @@
 """Texts in, explanations out: the layer the CLI, the HTML report and the Trainer callback share.
 
-``explain(model, tokenizer, texts)`` runs the methods (by default every one the model supports) on each text and returns :class:`Explanation` records
-(tokens, prediction, per-method relevance, per-layer implicit-attention maps) that serialise to JSON.
+``explain(model, tokenizer, texts)`` runs the methods (by default every one the model supports) on each text and
+returns :class:`Explanation` records (tokens, prediction, per-method relevance, per-layer implicit-attention maps)
+that serialise to JSON.
 """
 from __future__ import annotations
 
