@@ -464,3 +464,14 @@ def test_inkling_is_refused_with_the_reason():
 
     with pytest.raises(NotImplementedError, match="no rules written yet"):
         mc.MambaLRP(inkling_text())
+
+
+def test_a_compiled_model_gives_the_plain_models_relevance():
+    from mamba_captum.demo import load_demo
+
+    model, tokenizer = load_demo()
+    ids = tokenizer("the plot was not good", return_tensors="pt")["input_ids"]
+    plain = mc.MambaLRP(model).attribute(ids, target=3)
+    compiled = torch.compile(model)
+    assert torch.equal(mc.MambaLRP(compiled).attribute(ids, target=3), plain)  # the session runs it eagerly
+    assert no_hooks_left(model)

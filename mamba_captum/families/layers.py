@@ -30,6 +30,8 @@ from .. import rules
 # A class is listed here only after its forward was read (transformers 5.23): residual additions, casts, scalings
 # by constants, indexing and calls of submodules; every non-linear step sits in a submodule with a rule.
 LINEAR_CONTAINERS = {
+    # torch.compile's wrapper: the session runs its _orig_mod eagerly, under the rules of what it holds
+    "OptimizedModule",
     # Mamba-1
     "MambaForCausalLM", "MambaModel", "MambaBlock",
     "FalconMambaForCausalLM", "FalconMambaModel", "FalconMambaBlock",
