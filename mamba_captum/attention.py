@@ -10,6 +10,7 @@ from .capture import LayerCapture
 from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords, check_mask, index_list,
                      check_forward_devices, underlying_forward,
                      nonfinite_parameters, unwrap_parallel)
+from .dispatch import loaded_weights
 from .fast_scans import fast_scans
 from .families import softmax
 from .operators import REDUCTIONS, ComposedOperator, SumOperator, operator_output_grad
@@ -318,83 +319,86 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
         mixer_calls.setdefault(call.located.layer, []).append(call)
 
     for index in sorted(set(attention_calls) | set(mixer_calls)):
-        calls = mixer_calls.get(index, [])
-        # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
-        # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
-        segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in calls)
-        if (len(attention_calls.get(index, ())) > 1 and not segmented) \
-                or len({c.located.name for c in calls}) < len(calls):
-            raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
-        attention = ssm = attention_grads = attention_error = None
-        attentions = []
-        for call in attention_calls.get(index, ()):
-            attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
-            attentions.append(attention)
-            attention_grads = _operator_grads(attention, call)
-            dropout = getattr(call.module, "attention_dropout", 0.0)
-            if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
-                raise ValueError(
-                    f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
-                    f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
-                    "recovered. Explain the model in eval() mode.")
-            error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                           token_mask, module=call.module, layer_input=call.value)
-            attention_error = error if attention_error is None else max(attention_error, error)
-        parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
-        for call in calls:
-            located = call.located
-            _check_no_dropout(f"layer {index} ({located.name})", located.module)
-            if call.attention_mask is None and getattr(located.adapter, "IGNORES_ATTENTION_MASK", False):
-                call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
-            _check_hooked(f"layer {index} ({located.name})", call, dtype)
-            if _consumes_attention(located):
-                # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments, Inkling's
-                # convolved values): the adapter explains the whole mixer from the probabilities of its attention
-                # calls, which are then not maps of their own
-                if attention is None:
-                    raise RuntimeError(f"mamba_captum: layer {index} ({located.name}) called no attention "
-                                       "interface that the capture could see; not supported.")
-                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64,
-                                                       attention=attentions if segmented else attention)
-                consumed_error, attention, attention_grads = attention_error, None, None
-            else:
-                ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64)
-                consumed_error = None
-            # a mixer around softmax attention is compared on its real rows, as the attention is: what fully masked
-            # (pad) query rows give depends on the attention implementation's convention
-            ssm_error = _check(f"layer {index} ({located.name}, {type(located.module).__name__})",
-                               call.output, rebuilt, dtype, None if consumed_error is None else token_mask,
-                               module=located.module, layer_input=call.hidden_states)
-            if consumed_error is not None:
-                ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
-            if located.follows is not None:
-                # no residual between this mixer and the one whose output it takes: one token mixer, composed
-                previous = next((part for part in parts if part[0] == located.follows), None)
-                if previous is None or not _same_tensor(call.hidden_states, previous[3].output):
-                    raise ReconstructionError(
-                        f"mamba_captum: {located.name} ({type(located.module).__name__}) did not receive the output "
-                        f"of {located.follows} as its input (a hook that replaces that output, or another layout of "
-                        "the layer); its operator would not compose with that mixer's. Remove the hook, or report "
-                        "the model class and config.")
-                previous[1] = ComposedOperator.of(previous[1], ssm)
-                previous[2], previous[3] = max(previous[2], ssm_error), call
+        # an offloaded layer's weights exist only inside its own forward: load them for its rebuild (and its
+        # operator's maps, computed by the caller while this layer is current)
+        with loaded_weights(model, decoder_layers[index]):
+            calls = mixer_calls.get(index, [])
+            # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
+            # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
+            segmented = any(getattr(c.located.adapter, "ATTENTION_SEGMENTS", False) for c in calls)
+            if (len(attention_calls.get(index, ())) > 1 and not segmented) \
+                    or len({c.located.name for c in calls}) < len(calls):
+                raise RuntimeError(f"mamba_captum: layer {index} ran a token mixer twice in one forward; not supported.")
+            attention = ssm = attention_grads = attention_error = None
+            attentions = []
+            for call in attention_calls.get(index, ()):
+                attention, rebuilt, real = softmax.rebuild(call, torch.float64, token_mask)
+                attentions.append(attention)
+                attention_grads = _operator_grads(attention, call)
+                dropout = getattr(call.module, "attention_dropout", 0.0)
+                if call.module.training and dropout:  # a random mask inside the interface: P v is not the output
+                    raise ValueError(
+                        f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
+                        f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
+                        "recovered. Explain the model in eval() mode.")
+                error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                               token_mask, module=call.module, layer_input=call.value)
+                attention_error = error if attention_error is None else max(attention_error, error)
+            parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
+            for call in calls:
+                located = call.located
+                _check_no_dropout(f"layer {index} ({located.name})", located.module)
+                if call.attention_mask is None and getattr(located.adapter, "IGNORES_ATTENTION_MASK", False):
+                    call.attention_mask = token_mask  # (right) padding: zero the pad rows and columns of the maps
+                _check_hooked(f"layer {index} ({located.name})", call, dtype)
+                if _consumes_attention(located):
+                    # softmax attention with more around it (ZAYA's shifted values, LFM3-VL's segments, Inkling's
+                    # convolved values): the adapter explains the whole mixer from the probabilities of its attention
+                    # calls, which are then not maps of their own
+                    if attention is None:
+                        raise RuntimeError(f"mamba_captum: layer {index} ({located.name}) called no attention "
+                                           "interface that the capture could see; not supported.")
+                    ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64,
+                                                           attention=attentions if segmented else attention)
+                    consumed_error, attention, attention_grads = attention_error, None, None
+                else:
+                    ssm, rebuilt = located.adapter.rebuild(call, formulation, kept, torch.float64)
+                    consumed_error = None
+                # a mixer around softmax attention is compared on its real rows, as the attention is: what fully masked
+                # (pad) query rows give depends on the attention implementation's convention
+                ssm_error = _check(f"layer {index} ({located.name}, {type(located.module).__name__})",
+                                   call.output, rebuilt, dtype, None if consumed_error is None else token_mask,
+                                   module=located.module, layer_input=call.hidden_states)
+                if consumed_error is not None:
+                    ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
+                if located.follows is not None:
+                    # no residual between this mixer and the one whose output it takes: one token mixer, composed
+                    previous = next((part for part in parts if part[0] == located.follows), None)
+                    if previous is None or not _same_tensor(call.hidden_states, previous[3].output):
+                        raise ReconstructionError(
+                            f"mamba_captum: {located.name} ({type(located.module).__name__}) did not receive the output "
+                            f"of {located.follows} as its input (a hook that replaces that output, or another layout of "
+                            "the layer); its operator would not compose with that mixer's. Remove the hook, or report "
+                            "the model class and config.")
+                    previous[1] = ComposedOperator.of(previous[1], ssm)
+                    previous[2], previous[3] = max(previous[2], ssm_error), call
+                    continue
+                parts.append([located.name, ssm, ssm_error, call])
+            layer = decoder_layers[index]
+            if len(parts) == 1 and attention is not None and hasattr(layer, "ssm_out_multiplier"):
+                # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
+                ssm, ssm_error, ssm_grads = parts[0][1], parts[0][2], _operator_grads(parts[0][1], parts[0][3])
+                combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
+                                                                                   attention)])
+                grads = None if ssm_grads is None else [list(pair) for pair in zip(ssm_grads, attention_grads)]
+                yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
                 continue
-            parts.append([located.name, ssm, ssm_error, call])
-        layer = decoder_layers[index]
-        if len(parts) == 1 and attention is not None and hasattr(layer, "ssm_out_multiplier"):
-            # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
-            ssm, ssm_error, ssm_grads = parts[0][1], parts[0][2], _operator_grads(parts[0][1], parts[0][3])
-            combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
-                                                                               attention)])
-            grads = None if ssm_grads is None else [list(pair) for pair in zip(ssm_grads, attention_grads)]
-            yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
-            continue
-        if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
-            yield (SharedAttentionKey(index) if parts else index), attention.to(work_dtype), \
-                attention_error, attention_grads
-        for number, (name, operator, error, call) in enumerate(parts):
-            key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
-            yield key, operator.to(work_dtype), error, _operator_grads(operator, call)
+            if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
+                yield (SharedAttentionKey(index) if parts else index), attention.to(work_dtype), \
+                    attention_error, attention_grads
+            for number, (name, operator, error, call) in enumerate(parts):
+                key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
+                yield key, operator.to(work_dtype), error, _operator_grads(operator, call)
 
 
 def _consumes_attention(located) -> bool:

@@ -13,6 +13,8 @@ import numbers
 import torch
 from torch import nn
 
+from .dispatch import is_dispatched
+
 
 class NonFiniteError(ValueError):
     """The model produced NaN or inf (in a layer's output, the explained scores or their gradients): an explanation
@@ -65,7 +67,7 @@ def check_forward_devices(kwargs: dict, device, model: nn.Module) -> None:
     Raises:
         ValueError: naming the argument and the fix.
     """
-    if _accelerate_dispatched(model):
+    if is_dispatched(model):
         return
     for name, value in kwargs.items():
         if torch.is_tensor(value) and value.device != torch.device(device):
@@ -88,10 +90,6 @@ def single_index(value, name: str) -> int:
     return int(value)
 
 
-def _accelerate_dispatched(model: nn.Module) -> bool:
-    return any(hasattr(module, "_hf_hook") for module in model.modules())
-
-
 def input_device(model: nn.Module) -> torch.device:
     """The device the model's inputs must be on (its input embeddings' weight, else its first parameter).
 
@@ -99,7 +97,7 @@ def input_device(model: nn.Module) -> torch.device:
         ValueError: the model's weights are on the meta device and no accelerate hook loads them.
     """
     meta = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
-    if meta and not _accelerate_dispatched(model):
+    if meta and not is_dispatched(model):
         raise ValueError(f"mamba_captum: the model's weights are on the meta device ({meta[0]}, ... {len(meta)} "
                          "tensors): it holds no numbers to explain. Load it with from_pretrained(...) (or "
                          "to_empty(device=...) and load_state_dict) before explaining it.")
@@ -154,7 +152,7 @@ def check_inputs(model: nn.Module, input_ids=None, inputs_embeds=None) -> tuple[
     if length == 0:
         raise ValueError(f"mamba_captum: {name} has no tokens (L = 0).")
     device = input_device(model)
-    if tensor.device != device and not _accelerate_dispatched(model):
+    if tensor.device != device and not is_dispatched(model):
         raise ValueError(f"mamba_captum: {name} is on {tensor.device}, the model on {device}; move it with "
                          f"{name}.to({str(device)!r}).")
     vocabulary = getattr(embeddings, "num_embeddings", None)

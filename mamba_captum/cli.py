@@ -40,7 +40,16 @@ def _common(parser, model_required=True):
         parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained); "
                             "with --image, a Vision Mamba checkpoint file (.pth)")
     parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
-    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default cpu)")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default cpu; under "
+                        "accelerate launch with cuda, each process its own GPU)")
+    parser.add_argument("--device-map", default=None, metavar="MAP",
+                        help="load the model dispatched by accelerate: auto, balanced, sequential, or a JSON object "
+                        'module name -> device / "cpu" / "disk" (docs/scale.md)')
+    parser.add_argument("--max-memory", default=None, metavar="SIZES",
+                        help="with --device-map auto: the most each device holds, e.g. 0=20GiB,cpu=60GiB (the rest "
+                        "is offloaded to disk)")
+    parser.add_argument("--offload-folder", type=Path, default=None,
+                        help="where disk-offloaded weights go (default: a temporary folder, removed at exit)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights' dtype (default float32)")
 
 
@@ -182,12 +191,47 @@ def _distinct_files(named: dict) -> None:
         seen[key] = option
 
 
+def _device_map(text: str | None):
+    """--device-map: a strategy name, or a JSON object module name -> device."""
+    if text is None or not text.lstrip().startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(f"--device-map {text!r} is not a JSON object ({error.msg}); e.g. "
+                         '\'{"model.embeddings": "cpu", "model.layers": "disk"}\'.') from None
+
+
+def _max_memory(text: str | None):
+    """--max-memory 0=20GiB,cpu=60GiB -> {0: "20GiB", "cpu": "60GiB"}."""
+    if text is None:
+        return None
+    sizes = {}
+    for item in text.split(","):
+        device, equals, size = item.strip().partition("=")
+        if not equals or not device or not size:
+            raise UsageError(f"--max-memory {text!r}: give device=size pairs, e.g. 0=20GiB,cpu=60GiB.")
+        sizes[int(device) if device.isdigit() else device] = size
+    return sizes
+
+
+def _load(args, model_dir):
+    """The checkpoint on --device, or dispatched by accelerate with --device-map."""
+    from .explain import load
+
+    if args.device_map is not None and args.device is not None:
+        raise UsageError("give --device or --device-map, not both (--device-map places every layer itself).")
+    device = "cpu" if args.device is None else args.device
+    return load(model_dir, device=device, dtype=args.dtype, device_map=_device_map(args.device_map),
+                max_memory=_max_memory(args.max_memory), offload_folder=args.offload_folder)
+
+
 def _demo(args):
     from .demo import DEMO_TEXTS, grammar, model_dir
-    from .explain import explain, load
+    from .explain import explain
 
     _writable_file(args.out)
-    model, tokenizer = load(model_dir(), device=args.device, dtype=args.dtype)
+    model, tokenizer = _load(args, model_dir())
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
@@ -205,7 +249,10 @@ def _explain_images(args):
     for image in args.image:  # every file, before the model is loaded
         if not image.is_file():
             raise UsageError(f"no image file at {str(image)!r}.")
-    model = load_vim_file(args.model, device=args.device, dtype=args.dtype, img_size=args.img_size)
+    if args.device_map is not None:
+        raise UsageError("--device-map loads HF checkpoints; a Vision Mamba file is loaded on --device.")
+    device = "cpu" if args.device is None else args.device
+    model = load_vim_file(args.model, device=device, dtype=args.dtype, img_size=args.img_size)
     if args.labels:  # class names, in class order
         if len(args.labels) != model.num_classes:
             raise UsageError(f"--labels gives {len(args.labels)} names for a model of {model.num_classes} classes.")
@@ -233,7 +280,7 @@ def _peak_patch(scores) -> tuple[int, int]:
 
 
 def _explain(args):
-    from .explain import encode_text, explain, label_words, load, resolve_target
+    from .explain import encode_text, explain, label_words, resolve_target
 
     if args.image:
         return _explain_images(args)
@@ -245,7 +292,7 @@ def _explain(args):
     for path in (jsonl, args.out):
         if path is not None:
             _writable_file(path)
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = _load(args, args.model)
     methods = args.method  # None: every method the model supports
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
                    layer_maps=args.out is not None)
@@ -281,7 +328,7 @@ def _explain(args):
 
 
 def _matrices(args):
-    from .explain import encode_text, explain, load
+    from .explain import encode_text, explain
     from .html_report import map_png
 
     if args.scale < 1:
@@ -290,7 +337,7 @@ def _matrices(args):
         raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
                          "(tokens × scale); use a smaller --scale.")
     _writable_dir(args.out_dir)
-    model, tokenizer = load(args.model, device=args.device, dtype=args.dtype)
+    model, tokenizer = _load(args, args.model)
     length = encode_text(model, tokenizer, args.text).shape[1]
     if length * args.scale > MAX_MAP_PIXELS:
         fitting = MAX_MAP_PIXELS // length

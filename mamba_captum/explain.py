@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .attention import implicit_attention
+from .checks import input_device as _input_device
 from .attr import MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout, MambaSelectionAttribution
 from .families import SUPPORTED_MIXERS, decoder_layers
 from .session import session
@@ -183,8 +184,15 @@ def _check_vocabulary(tokenizer, path: Path) -> None:
                          "are missing); save it there with tokenizer.save_pretrained(DIR).")
 
 
-def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
-    """A local HF checkpoint directory -> (model in eval mode, tokenizer), offline. Errors are :class:`UsageError`."""
+def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=None, max_memory=None,
+         offload_folder=None):
+    """A local HF checkpoint directory -> (model in eval mode, tokenizer), offline. Errors are :class:`UsageError`.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, ``"sequential"`` or a dict module name -> device / ``"cpu"`` /
+    ``"disk"``), with ``max_memory`` (device -> size, e.g. ``{0: "20GiB", "cpu": "60GiB"}``) and ``offload_folder``
+    (for ``"disk"``; default a temporary folder removed at exit), loads the model dispatched by accelerate instead
+    of on ``device`` (docs/scale.md).
+    """
     import transformers as tf
     from safetensors import SafetensorError
 
@@ -195,7 +203,16 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
         raise UsageError(f"{str(path)!r} holds no config.json: it is not a HF checkpoint directory.")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
-    check_device(device)
+    placement = {"dtype": DTYPES[dtype]}
+    if device_map is None and max_memory is not None:
+        raise UsageError("max_memory (--max-memory) bounds what device_map='auto' places per device; give a "
+                         "device_map (--device-map auto) with it.")
+    if device_map is not None:
+        _check_device_map(device_map)
+        placement.update(device_map=device_map, max_memory=max_memory,
+                         offload_folder=str(offload_folder or _offload_folder()))
+    else:
+        check_device(device)
     try:
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as error:  # only the file is read here: malformed JSON, an unknown model_type, a wrong field
@@ -211,8 +228,8 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
         else:
             auto = tf.AutoModelForCausalLM
         # mismatched shapes are reported below, by name, rather than raised with the details only in HF's log
-        model, loading = auto.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
-                                              output_loading_info=True, ignore_mismatched_sizes=True)
+        model, loading = auto.from_pretrained(path, local_files_only=True, output_loading_info=True,
+                                              ignore_mismatched_sizes=True, **placement)
     except ValueError as error:  # transformers' "Unrecognized configuration class ..."
         raise UsageError(f"model type {config.model_type!r} cannot be loaded as a causal LM or sequence "
                          f"classifier: {_first_line(error)}") from None
@@ -242,11 +259,52 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32"):
     except (OSError, ValueError) as error:
         raise UsageError(f"no tokenizer could be loaded from {str(path)!r}: {_first_line(error)}") from None
     _check_vocabulary(tokenizer, path)
+    if device_map is not None:  # accelerate placed it
+        return model.eval(), tokenizer
     try:
         model = model.to(device)
     except (RuntimeError, AssertionError) as error:
         raise UsageError(f"device {device!r} is not available: {_first_line(error)}") from None
     return model.eval(), tokenizer
+
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_device_map(device_map) -> None:
+    if isinstance(device_map, str) and device_map in DEVICE_MAP_STRATEGIES:
+        return
+    if not isinstance(device_map, dict) or not device_map:
+        raise UsageError(f"device_map {device_map!r} is neither one of {', '.join(DEVICE_MAP_STRATEGIES)} nor a "
+                         'non-empty mapping of module names to devices (e.g. {"": "cpu"}).')
+    for name, place in device_map.items():
+        if place == "disk":
+            continue
+        try:
+            torch.device(place)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"device_map puts {name!r} on {place!r}, which is not a device; use cpu, cuda:N, N or "
+                             "disk.") from None
+
+
+def _inputs_device(model) -> torch.device:
+    """Where the token ids go: the input embeddings' device (accelerate moves them for a dispatched model)."""
+    try:
+        return _input_device(model)
+    except ValueError:
+        raise UsageError("the model is on the meta device, which holds no weights; move it to cpu or cuda first.") \
+            from None
+
+
+def _offload_folder() -> Path:
+    """A temporary folder for disk-offloaded weights, removed when the process exits."""
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="mamba-captum-offload-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def label_words(model, labels=None) -> list[str] | None:
@@ -410,7 +468,7 @@ def explain(model, tokenizer, texts, *, target=None, methods=None, formulation: 
         one :class:`Explanation` per text.
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
-    device = next(model.parameters()).device
+    device = _inputs_device(model)
     inputs = [encode_text(model, tokenizer, text).to(device) for text in texts]
     return explain_ids(model, tokenizer, inputs, texts=texts, target=target, methods=methods,
                        formulation=formulation, labels=labels, layer_maps=layer_maps)
@@ -441,9 +499,7 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=No
         methods.remove("lrp")  # the default: every method the model supports
     elif refusal is not None:
         raise UsageError(f"{refusal} Leave out the method lrp.")
-    device = next(model.parameters()).device
-    if device.type == "meta":
-        raise UsageError("the model is on the meta device, which holds no weights; move it to cpu or cuda first.")
+    device = _inputs_device(model)
     words = label_words(model, labels)
     candidates = _candidates(model, tokenizer, words)
     wanted = resolve_target(model, tokenizer, target, words, candidates)

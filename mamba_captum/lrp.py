@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .capture import ATTENTION_PATCH, MixerCall, attention_call, mixer_arguments, open_captures
+from .dispatch import loaded_weights
 from .families import softmax
 from .families.layers import PlannedRule
 from .rules import ratio
@@ -38,11 +39,14 @@ class LRPForward(contextlib.AbstractContextManager):
             layers depend on the mask convention and reach no real token).
         work_dtype: the dtype of the rules' expressions (float64 for float64 models, else float32).
         model_dtype: the model's dtype (the check's tolerance).
+        model: the model the plan's modules belong to (its offloaded weights are loaded for each rule,
+            :mod:`mamba_captum.dispatch`).
     """
 
     def __init__(self, plan: list[PlannedRule], embeddings: nn.Module | None, token_mask: torch.Tensor,
-                 work_dtype: torch.dtype, model_dtype: torch.dtype):
+                 work_dtype: torch.dtype, model_dtype: torch.dtype, model: nn.Module):
         self.plan = plan
+        self.model = model
         self.embedding_module = embeddings
         self.token_mask = token_mask
         self.work_dtype, self.model_dtype = work_dtype, model_dtype
@@ -88,7 +92,8 @@ class LRPForward(contextlib.AbstractContextManager):
             return None
         real = output[0] if isinstance(output, tuple) else output
         name = planned.path or type(module).__name__
-        with torch.enable_grad():
+        # the rule reads the module's weights after its forward returned: an offloaded module's are meta by now
+        with torch.enable_grad(), loaded_weights(self.model, module):
             if planned.located is not None:
                 hidden, mask, options = mixer_arguments(args, kwargs)
                 call = MixerCall(planned.located, hidden, mask, options=options,

@@ -252,7 +252,8 @@ def modified_logits(model, ids, mask=None, **kwargs):
     plan = lrp_plan(model, locate(model)[1])
     token_mask = torch.ones(ids.shape, dtype=torch.float32) if mask is None else mask.float()
     with torch.enable_grad(), LRPForward(plan, model.get_input_embeddings(), token_mask,
-                                         torch.float64 if dtype == torch.float64 else torch.float32, dtype) as rules_on:
+                                         torch.float64 if dtype == torch.float64 else torch.float32, dtype,
+                                         model) as rules_on:
         logits = model(ids, attention_mask=mask, use_cache=False, **kwargs).logits
         assert rules_on.embeddings and rules_on.embeddings[0].requires_grad and logits.requires_grad
     return logits.detach()

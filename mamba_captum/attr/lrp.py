@@ -143,7 +143,7 @@ class MambaLRP(GradientAttribution):
             floating = inputs.is_floating_point()
             call_inputs = inputs.detach().requires_grad_(True) if floating else inputs
             embeddings = None if floating else self.model.get_input_embeddings()
-            forward = LRPForward(plan, embeddings, mask, work_dtype, model_dtype)
+            forward = LRPForward(plan, embeddings, mask, work_dtype, model_dtype, self.model)
             runner._active.add(forward)
             try:
                 with torch.enable_grad(), fast_scans(self.model), forward:

@@ -99,6 +99,8 @@ def preserved_rescaling(model):
     forward rescales once, as it would have without the library.
     """
     models = [m for m in model.modules() if hasattr(m, "layers_are_rescaled") and hasattr(m, "blocks")]
+    for module in models:
+        _refuse_offloaded_rescaling(module)
     before = [m.layers_are_rescaled for m in models]
     # HF flips when training == layers_are_rescaled: snapshot the weights it will scale (factor > 1 only)
     snapshots = [_snapshot(m) if m.training == m.layers_are_rescaled else None for m in models]
@@ -108,6 +110,21 @@ def preserved_rescaling(model):
         for module, was_rescaled, snapshot in zip(models, before, snapshots):
             if module.layers_are_rescaled != was_rescaled:
                 _restore(module, was_rescaled, snapshot)
+
+
+def _refuse_offloaded_rescaling(module):
+    """An offloaded RWKV (accelerate ``device_map`` with CPU / disk offload) in eval mode computes something else
+    than the model: its forward halves the residual stream every ``rescale_every`` blocks, assuming the in-place
+    division of the weights, which offloaded weights (reloaded unscaled from the offload at every forward) never
+    keep. Its outputs differ from the undispatched model's; explaining them would explain that error."""
+    if module.training or not any(linear.weight.device.type == "meta" for linear in _rescaled_linears(module)):
+        return
+    raise ValueError(
+        "mamba_captum: this RWKV model has offloaded weights (accelerate device_map with 'cpu' / 'disk' offload) "
+        f"and rescale_every={module.config.rescale_every}: transformers' RWKV rescales its weights in place on "
+        "the first eval forward, which offloaded weights do not keep, so this model's outputs are not the "
+        "checkpoint's. Load it with rescale_every=0 (from_pretrained(..., rescale_every=0): the same function "
+        "without the float16 overflow guard, up to LayerNorm's eps), or without offloading.")
 
 
 def _rescaled_linears(module):
