@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -85,7 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help="with --image: the Vim's training image size, if not 224")
             sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
             sub.add_argument("--jsonl", type=Path, default=None,
-                             help="the results as JSONL (default with --dataset: DATASET.explained.jsonl)")
+                             help="the results as JSONL (default with --dataset: DATASET.explained.jsonl); with "
+                             "--dataset, a rerun skips the lines already there")
+            sub.add_argument("--restart", action="store_true",
+                             help="with --dataset: recompute every line, discarding the results of an earlier run")
         elif name == "matrices":
             _common(sub)
             sub.add_argument("--text", required=True)
@@ -292,6 +296,15 @@ def _explain(args):
     for path in (jsonl, args.out):
         if path is not None:
             _writable_file(path)
+    group = None
+    if rows is not None:  # a dataset: shared by the processes of accelerate launch / torchrun, if any
+        from .parallel import processes
+
+        group = processes(cpu=_runs_on_cpu(args))
+        if group.count > 1 and args.device in ("cuda", "gpu"):
+            args.device = f"cuda:{group.state.local_process_index}"  # each process its own GPU
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--text runs in one process; give the texts as --dataset to share them among processes.")
     model, tokenizer = _load(args, args.model)
     methods = args.method  # None: every method the model supports
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
@@ -301,30 +314,50 @@ def _explain(args):
         _print_summary(explanations)
         if jsonl is not None:
             jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+            print(f"results: {jsonl} ({len(explanations)} lines)")
     else:
-        from tqdm.auto import tqdm
+        from .explain import Explanation
+        from .parallel import ResumeError, run_jobs
 
         # a row's "target": null means --target
-        jobs = [(number, row["text"], row["target"] if row.get("target") is not None else args.target)
-                for number, row in rows]
+        jobs = [dict(line=number, text=row["text"],
+                     target=row["target"] if row.get("target") is not None else args.target,
+                     methods=methods, formulation=args.formulation, labels=args.labels) for number, row in rows]
         words = label_words(model, args.labels)
-        for number, text, target in jobs:  # every row's target and length, before hours of work
+        for job in jobs:  # every row's target and length, before hours of work
             try:
-                resolve_target(model, tokenizer, target, words)
-                encode_text(model, tokenizer, text)
+                resolve_target(model, tokenizer, job["target"], words)
+                encode_text(model, tokenizer, job["text"])
             except UsageError as error:
-                raise UsageError(f"{args.dataset}:{number}: {error}") from None
-        explanations = []
-        with jsonl.open("w", encoding="utf-8") as handle:
-            for number, text, target in tqdm(jobs, desc="explaining", unit="text"):
-                (item,) = explain(model, tokenizer, text, target=target, **options)
-                explanations.append(item)
-                handle.write(json.dumps(item.to_dict()) + "\n")  # as it goes: an interrupted run keeps what it did
-                handle.flush()
-    if jsonl is not None:
-        print(f"results: {jsonl} ({len(explanations)} lines)")
+                raise UsageError(f"{args.dataset}:{job['line']}: {error}") from None
+
+        def work(job):
+            (item,) = explain(model, tokenizer, job["text"], target=job["target"], methods=methods,
+                              formulation=args.formulation, labels=args.labels, layer_maps=False)
+            return item.to_dict()
+
+        try:
+            records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining")
+        except ResumeError as error:
+            raise UsageError(str(error)) from None
+        if records is None:  # not the main process: the main one writes the report
+            return
+        print(f"results: {jsonl} ({len(records)} lines)")
+        if args.out is not None:
+            _write_report([Explanation.from_dict(record) for record in records], args.out,
+                          f"mamba-captum: {Path(args.model).name}")
+        return
     if args.out is not None:
         _write_report(explanations, args.out, f"mamba-captum: {Path(args.model).name}")
+
+
+def _runs_on_cpu(args) -> bool:
+    """Whether this run computes on CPU (torch.distributed's gloo backend between processes) or on GPUs."""
+    import torch
+
+    if args.device_map is not None:
+        return not torch.cuda.is_available()
+    return str(args.device or "cpu").startswith("cpu")
 
 
 def _matrices(args):

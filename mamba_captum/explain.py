@@ -79,6 +79,14 @@ class Explanation:
                 "top_tokens": {name: self.top_tokens(name) for name in self.relevance}, "settings": self.settings}
 
 
+    @classmethod
+    def from_dict(cls, row: dict) -> "Explanation":
+        """The explanation :meth:`to_dict` wrote (without its layer maps)."""
+        return cls(text=row["text"], tokens=row["tokens"], prediction=row["prediction"],
+                   probability=row["probability"], target=row["target"], target_probability=row["target_probability"],
+                   relevance=row["relevance"], settings=row.get("settings", {}), display_tokens=row.get("display_tokens"))
+
+
 def readable_tokens(tokenizer, tokens) -> list[str]:
     """Each token as the text it stands for (byte-level BPE's ``Ġthe`` -> ``the``, SentencePiece's ``▁the`` ->
     ``the``); a token that reads as blank (a space, a newline) keeps its vocabulary spelling."""

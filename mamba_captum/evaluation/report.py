@@ -236,6 +236,8 @@ def main(argv=None):
     parser.add_argument("--method", nargs="+", default=None, metavar="NAME",
                         help="run only the methods whose name contains one of these strings (with --update, only "
                              "their rows are replaced; the other methods' rows of the same models are kept)")
+    parser.add_argument("--restart", action="store_true", help="discard the results an interrupted run left in "
+                        "ASSETS/results.partial.jsonl instead of resuming from them")
     args = parser.parse_args(argv)
     if args.report_only:
         rows = json.loads((args.assets / "results.json").read_text())["rows"]
@@ -252,19 +254,41 @@ def main(argv=None):
         parser.exit(2, f"{parser.prog}: error: no shipped classifier for --family {' '.join(args.family)} --task "
                        f"{' '.join(args.task)} (bbc_news has a mamba model only); nothing was run or written.\n")
     start = time.perf_counter()
-    methods = None
+    methods = None  # the default: our methods, their ablations and Captum's baselines
     if args.method:
         from .compare import captum_methods, implicit_methods
 
-        def methods(family):
-            chosen = [m for m in implicit_methods(family) + captum_methods() if any(s in m.name for s in args.method)]
-            if not chosen:
+        def chosen(family):
+            named = [m for m in implicit_methods(family) + captum_methods() if any(s in m.name for s in args.method)]
+            if not named:
                 parser.exit(2, f"{parser.prog}: error: no method name contains {' or '.join(args.method)!r}; "
                                "nothing was run or written.\n")
-            return chosen
-    rows = evaluate(pairs=[(family, task) for family, task, _ in usable], examples=args.examples,
-                    perturbation=not args.no_perturbation, weights_root=args.weights, methods=methods,
-                    log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))
+            return named
+
+        methods = chosen
+
+    # one job per model, shared by the processes of accelerate launch / torchrun (docs/scale.md); an interrupted
+    # run's models are kept in the journal and skipped by the next run
+    from ..parallel import ResumeError, processes, run_jobs
+
+    jobs = [dict(family=family, task=task, examples=args.examples, perturbation=not args.no_perturbation,
+                 methods=args.method) for family, task, _ in usable]
+
+    def work(job):
+        return {"rows": evaluate(pairs=[(job["family"], job["task"])], examples=job["examples"],
+                                 perturbation=job["perturbation"], weights_root=args.weights, methods=methods,
+                                 log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))}
+
+    journal = args.assets / "results.partial.jsonl"
+    args.assets.mkdir(parents=True, exist_ok=True)
+    try:
+        records = run_jobs(jobs, work, journal, group=processes(cpu=True), restart=args.restart,
+                           progress="evaluating")
+    except ResumeError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    if records is None:  # not the main process: the main one writes the report
+        return
+    rows = [row for record in records for row in record["rows"]]
     if args.update and (args.assets / "results.json").exists():
         ran = {(family, task) for family, task, _ in usable}
         replaced = {(r["family"], r["task"], r["method"]) for r in rows}
@@ -277,4 +301,5 @@ def main(argv=None):
     given = sys.argv[1:] if argv is None else list(argv)
     command = " ".join(["python -m mamba_captum.evaluation", *given])
     write_report(rows, usable, skipped, time.perf_counter() - start, args.doc, args.assets, command)
+    journal.unlink()  # the results are in results.json now
     print(f"wrote {args.doc} and {args.assets}/ ({len(rows)} rows)")

@@ -1,0 +1,147 @@
+"""Data-parallel, resumable work over a dataset (issue 20): ``mamba-captum explain --dataset`` and
+``mamba-captum evaluate`` under ``accelerate launch`` (two processes, gloo on CPU) give the single-process output
+line for line; an interrupted run is resumed without redoing what it wrote."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from mamba_captum import cli, explain
+from mamba_captum.demo import grammar, model_dir
+from mamba_captum.evaluation.models import one_thread
+from mamba_captum.evaluation.report import BEGIN, END
+from mamba_captum.parallel import Processes, ResumeError, run_jobs
+
+DEMO = str(model_dir())
+
+
+def jobs(count):
+    return [{"line": i, "text": f"text {i}"} for i in range(count)]
+
+
+def test_jobs_are_gathered_in_order_and_an_interrupted_run_is_resumed(tmp_path):
+    output = tmp_path / "out.jsonl"
+    done = []
+
+    def failing(job):
+        if job["line"] == 3:
+            raise KeyboardInterrupt
+        done.append(job["line"])
+        return {"value": job["line"] * 10}
+
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs(jobs(6), failing, output)
+    assert done == [0, 1, 2] and not output.exists()
+    part = tmp_path / "out.jsonl.part0"
+    part.write_text(part.read_text() + '{"value": 30, "job": {"li')  # a line cut off by the kill
+    done.clear()
+    records = run_jobs(jobs(6), lambda job: done.append(job["line"]) or {"value": job["line"] * 10}, output)
+    assert done == [3, 4, 5]  # the three written results are not recomputed
+    assert records == [{"value": i * 10, "job": {"line": i, "text": f"text {i}"}} for i in range(6)]
+    assert [json.loads(line) for line in output.open()] == records and not part.exists()
+    # another run over the same jobs does nothing; over other jobs it is refused; --restart starts over
+    assert run_jobs(jobs(6), lambda job: pytest.fail("recomputed"), output) == records
+    other = [{"line": 0, "text": "changed"}]
+    with pytest.raises(ResumeError, match="--restart"):
+        run_jobs(other, lambda job: {}, output)
+    assert run_jobs(other, lambda job: {"value": -1}, output, restart=True) == [{"value": -1, "job": other[0]}]
+    with pytest.raises(ValueError, match="two jobs are the same"):
+        run_jobs(jobs(2) * 2, lambda job: {}, tmp_path / "twice.jsonl")
+
+
+def test_a_process_takes_every_nth_job(tmp_path):
+    """Process 1 of 3 (its peers' waits stubbed): jobs 1, 4, 7 in its part file; the main one gathers."""
+
+    class Peer(Processes):
+        def wait(self):
+            pass
+
+    seen = []
+    assert run_jobs(jobs(9), lambda job: seen.append(job["line"]) or {}, tmp_path / "o.jsonl",
+                    group=Peer(index=1, count=3)) is None
+    assert seen == [1, 4, 7]
+    assert [json.loads(line)["job"]["line"] for line in (tmp_path / "o.jsonl.part1").open()] == [1, 4, 7]
+
+
+def test_the_explain_command_resumes_a_dataset(tmp_path, capsys, monkeypatch):
+    dataset = tmp_path / "texts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": s.text}) + "\n" for s in grammar.sentences(4, seed=5)))
+    fresh = tmp_path / "fresh.jsonl"
+    assert cli.main(["explain", "--model", DEMO, "--dataset", str(dataset), "--jsonl", str(fresh),
+                     "--method", "attribution"]) == 0
+    calls = []
+    real = explain.explain
+
+    def interrupted(model, tokenizer, text, **options):
+        calls.append(text)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(model, tokenizer, text, **options)
+
+    monkeypatch.setattr(explain, "explain", interrupted)
+    resumed = tmp_path / "resumed.jsonl"
+    arguments = ["explain", "--model", DEMO, "--dataset", str(dataset), "--jsonl", str(resumed),
+                 "--method", "attribution"]
+    assert cli.main(arguments) == 130
+    calls.clear()
+    monkeypatch.setattr(explain, "explain", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    capsys.readouterr()
+    assert cli.main(arguments) == 0
+    assert len(calls) == 2 and "results: " in capsys.readouterr().out
+    assert resumed.read_text() == fresh.read_text()
+    # other settings over the same output: refused in one line, nothing recomputed
+    assert cli.main([*arguments[:-1], "raw"]) == 2
+    assert "other settings" in capsys.readouterr().err and resumed.read_text() == fresh.read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(*arguments):
+    """``accelerate launch`` of the CLI in two processes (gloo on CPU; one thread each, as torchrun sets it)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "mamba_captum.cli", *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def in_one_thread(*arguments):
+    """The CLI in this process on one thread: the same float operations as each launched process runs."""
+    with one_thread():
+        assert cli.main(list(arguments)) == 0
+
+
+def test_two_processes_explain_a_dataset_as_one_does(tmp_path):
+    dataset = tmp_path / "texts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": s.text}) + "\n" for s in grammar.sentences(7, seed=2)))
+    in_one_thread("explain", "--model", DEMO, "--dataset", str(dataset), "--jsonl", str(tmp_path / "one.jsonl"))
+    two = launch("explain", "--model", DEMO, "--dataset", str(dataset), "--jsonl", str(tmp_path / "two.jsonl"),
+                 "--out", str(tmp_path / "report.html"))
+    assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
+    assert [json.loads(line)["job"]["line"] for line in (tmp_path / "two.jsonl").open()] == list(range(1, 8))
+    assert two.stderr.count("(process 1 of 2): 100%") == 1 and two.stdout.count("results: ") == 1
+    assert (tmp_path / "report.html").read_text().count("<section class='example'>") == 7
+    assert not list(tmp_path.glob("*.part*"))
+
+
+def test_two_processes_evaluate_as_one_does(tmp_path):
+    doc = tmp_path / "faithfulness.md"
+    options = ["--family", "mamba", "rwkv", "--task", "counting", "negation", "--examples", "8",
+               "--no-perturbation", "--method", "Saliency", "MambaLRP"]
+    for name, run in (("one", in_one_thread), ("two", launch)):
+        doc.write_text(f"# Faithfulness\n\n{BEGIN}\n{END}\n")
+        run("evaluate", *options, "--doc", str(doc), "--assets", str(tmp_path / name))
+    rows = {name: json.loads((tmp_path / name / "results.json").read_text())["rows"] for name in ("one", "two")}
+    timeless = {name: [{k: v for k, v in row.items() if k != "seconds"} for row in value]
+                for name, value in rows.items()}
+    assert timeless["two"] == timeless["one"] and len(rows["one"]) == 4 * 2
+    assert not (tmp_path / "two" / "results.partial.jsonl").exists()
