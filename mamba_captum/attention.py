@@ -6,7 +6,7 @@ import inspect
 import torch
 
 from . import families
-from .capture import LayerCapture
+from .capture import LayerCapture, Trace
 from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords, check_mask, index_list,
                      check_forward_devices, underlying_forward,
                      nonfinite_parameters, unwrap_parallel)
@@ -226,8 +226,10 @@ def check_recorded(trace, mixers, layers):
             "nn.DataParallel: pass model.module), with the whole sequence in one forward call.")
 
 
-def _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs):
-    """Validate the arguments and run the model once with the capture hooks (inside :func:`session`)."""
+def _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs,
+             on_layer_done=None):
+    """Validate the arguments and run the model once with the capture hooks (inside :func:`session`);
+    ``on_layer_done(trace, index)`` as in :class:`LayerCapture`."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
     kept = families.parse_components(components, formulation)
@@ -245,7 +247,7 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
             forward_kwargs["attention_mask"] = attention_mask
         forward_kwargs["use_cache"] = False  # no cache: it changes no output, and nothing continues from it
     families.check_forward(mixers, attention_mask, forward_kwargs)
-    with fast_scans(model), LayerCapture(decoder_layers, mixers, layers) as capture:
+    with fast_scans(model), LayerCapture(decoder_layers, mixers, layers, on_layer_done=on_layer_done) as capture:
         output = model(*args, **forward_kwargs)
     check_recorded(capture.trace, mixers, layers)
     return capture.trace, output, decoder_layers, kept
@@ -492,13 +494,43 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
     source = input_ids if input_ids is not None else forward_kwargs.get("inputs_embeds",
                                                                         forward_kwargs.get("pixel_values"))
     selected = _normalise_rows(rows, length, source.device)
+    maps = {}
     with torch.no_grad(), session(model, families.decoder_layers(model)):
-        trace, _, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers, components,
-                                                  forward_kwargs)
-        # Layer by layer: only one layer's operator is alive at a time.
-        maps = {}
-        for key, operator, _, _ in _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
-            maps[key] = operator.maps(reduce, selected)
-            check_finite(maps[key], f"the implicit-attention map of layer {key} (its output was reproduced: "
+        decoder_layers = families.decoder_layers(model)
+        kept = families.parse_components(components, formulation) if formulation in FORMULATIONS else None
+        stream = _MapStream(model, decoder_layers, formulation, kept, attention_mask, reduce, selected, maps)
+        trace, _, _, _ = _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs,
+                                  on_layer_done=stream)
+        for index in sorted({call.located.layer for call in trace.mixer_calls if call.output is not None}
+                            | {call.layer for call in trace.attention_calls}):
+            stream(trace, index)  # calls made outside their decoder layer's own forward, if any
+    return dict(sorted(maps.items()))
+
+
+class _MapStream:
+    """Each decoder layer's maps as soon as its forward returned, then its recorded tensors dropped: one layer's
+    inputs, outputs and operator are alive at a time, whatever the depth (long sequences, docs/scale.md)."""
+
+    def __init__(self, model, decoder_layers, formulation, kept, attention_mask, reduce, rows, maps):
+        self.model, self.decoder_layers, self.formulation, self.kept = model, decoder_layers, formulation, kept
+        self.attention_mask, self.reduce, self.rows, self.maps = attention_mask, reduce, rows, maps
+        self.done = set()
+
+    def __call__(self, trace, index):
+        calls = [c for c in trace.mixer_calls if c.located.layer == index and c.output is not None]
+        attention = [c for c in trace.attention_calls if c.layer == index]
+        if not calls and not attention:
+            return
+        if index in self.done:
+            raise RuntimeError(f"mamba_captum: decoder layer {index} ran twice in one forward; not supported.")
+        layer_trace = Trace(mixer_calls=calls, attention_calls=attention)
+        for key, operator, _, _ in _operators(self.model, layer_trace, self.decoder_layers, self.formulation,
+                                              self.kept, self.attention_mask):
+            self.maps[key] = operator.maps(self.reduce, self.rows)
+            check_finite(self.maps[key], f"the implicit-attention map of layer {key} (its output was reproduced: "
                          "please report this)")
-    return maps
+        for call in calls:  # what the maps needed; the call stays (check_recorded counts the layers)
+            call.hidden_states = call.output = None
+            call.options, call.hooked = {}, []
+        trace.attention_calls = [c for c in trace.attention_calls if c.layer != index]
+        self.done.add(index)

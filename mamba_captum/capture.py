@@ -201,12 +201,16 @@ class LayerCapture(contextlib.AbstractContextManager):
             really saw); with ``detach=False`` and grad enabled, an output that carries no graph (frozen embeddings)
             is swapped for a leaf that requires grad there, before anything the model derives from it (Zamba2
             feeds a copy of the embeddings to every shared attention block), not only at the first layer.
+        on_layer_done: called with the trace and a decoder-layer index as soon as that layer's forward returned
+            (its calls are then complete in the trace): a caller that needs no gradients can consume and drop them there, so that
+            one layer's recorded tensors are alive at a time (:func:`mamba_captum.implicit_attention`).
     """
 
     def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
                  record_attention: bool = True, detach: bool = True, record_residual: bool = False,
-                 embeddings: nn.Module | None = None):
+                 embeddings: nn.Module | None = None, on_layer_done=None):
         self.embeddings = embeddings
+        self.on_layer_done = on_layer_done
         self.decoder_layers = decoder_layers
         self.mixers = [m for m in mixers if layers is None or m.layer in layers]
         self.layers = None if layers is None else set(layers)
@@ -269,9 +273,11 @@ class LayerCapture(contextlib.AbstractContextManager):
             return output.detach().requires_grad_(True)
         return None
 
-    def _on_layer_post(self, module, args, output):
+    def _on_layer_post(self, index, module, args, output):
         if self._mine() and self._layer_stack:
             self._layer_stack.pop()
+            if self.on_layer_done is not None:
+                self.on_layer_done(self.trace, index)
 
     def _on_mixer_pre(self, located, module, args, kwargs):
         if not self._mine():
@@ -340,7 +346,7 @@ class LayerCapture(contextlib.AbstractContextManager):
                 self._hook(self.embeddings, False, "_on_embedding")
             for index, layer in enumerate(self.decoder_layers):
                 self._hook(layer, True, "_on_layer_pre", index, with_kwargs=True)
-                self._hook(layer, False, "_on_layer_post")
+                self._hook(layer, False, "_on_layer_post", index)
             for located in self.mixers:
                 module = located.module
                 # The rebuild runs submodules without hooks: where the user's hooks sit, record what the submodule
