@@ -8,8 +8,9 @@
       ``mamba-captum explain --dataset`` of the bundled demo model over generated sentences, and ``mamba-captum
       evaluate`` on eight shipped classifiers: one process (all cores) against ``accelerate launch`` with two.
   python benchmarks/bench_scale.py long [--lengths 1024 2048 4096 8192]
-      A 130m-sized random Mamba: time and peak extra memory of the HF forward (with the library's fast scans) and
-      of ``implicit_attention(model, ids, rows=[-1])`` against L.
+      A 130m-sized random Mamba: time and peak extra memory of the HF forward (with the library's fast scans, the
+      logits of the last token only, as implicit_attention runs it) and of ``implicit_attention(model, ids,
+      rows=[-1])`` against L.
 
 Each measurement runs in a fresh subprocess; memory is the process RSS sampled every 2 ms (bench_implicit_attention's
 PeakRSS, with freed heap memory returned to the OS), timings are wall clock on an otherwise idle machine.
@@ -138,7 +139,7 @@ with PeakRSS() as memory:
     start = time.perf_counter()
     if what == "forward":
         with torch.no_grad(), mc.fast_scans(model):
-            model(ids, use_cache=False)
+            model(ids, use_cache=False, logits_to_keep=1)  # as implicit_attention runs it
     else:
         mc.implicit_attention(model, ids, rows=[-1])
     seconds = time.perf_counter() - start

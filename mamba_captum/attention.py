@@ -227,9 +227,10 @@ def check_recorded(trace, mixers, layers):
 
 
 def _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs,
-             on_layer_done=None):
+             on_layer_done=None, output_read=True):
     """Validate the arguments and run the model once with the capture hooks (inside :func:`session`);
-    ``on_layer_done(trace, index)`` as in :class:`LayerCapture`."""
+    ``on_layer_done(trace, index)`` as in :class:`LayerCapture`. With ``output_read=False`` a causal LM computes
+    its logits for the last token only (L × vocabulary floats otherwise: 6.6 GB at L = 32k for a 50k vocabulary)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
     kept = families.parse_components(components, formulation)
@@ -246,6 +247,8 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
         if attention_mask is not None:
             forward_kwargs["attention_mask"] = attention_mask
         forward_kwargs["use_cache"] = False  # no cache: it changes no output, and nothing continues from it
+        if not output_read and "logits_to_keep" in inspect.signature(underlying_forward(model)).parameters:
+            forward_kwargs["logits_to_keep"] = 1  # the layers' maps do not depend on the logits
     families.check_forward(mixers, attention_mask, forward_kwargs)
     with fast_scans(model), LayerCapture(decoder_layers, mixers, layers, on_layer_done=on_layer_done) as capture:
         output = model(*args, **forward_kwargs)
@@ -500,7 +503,7 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         kept = families.parse_components(components, formulation) if formulation in FORMULATIONS else None
         stream = _MapStream(model, decoder_layers, formulation, kept, attention_mask, reduce, selected, maps)
         trace, _, _, _ = _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs,
-                                  on_layer_done=stream)
+                                  on_layer_done=stream, output_read=False)
         for index in sorted({call.located.layer for call in trace.mixer_calls if call.output is not None}
                             | {call.layer for call in trace.attention_calls}):
             stream(trace, index)  # calls made outside their decoder layer's own forward, if any

@@ -1,8 +1,10 @@
 """Work over a dataset in several processes (``accelerate launch`` / ``torchrun``), resumable, gathered in order.
 
 Each job is a JSON-able dict naming one unit of work (a dataset line and what to compute on it; a model of the
-faithfulness suite). Process ``i`` of ``n`` takes every n-th job not done yet, appends each result as one JSON line
-to its own part file (``<output>.part<i>``) as it goes, and once every process is done the main process writes the
+faithfulness suite). The processes take the jobs not done yet one at a time, first come first served (each claims
+a job by creating its file in ``<output>.claims/``, which only one process can; models of the suite take very
+different times, so a fixed share would leave one process waiting), append each result as one JSON line to their
+own part file (``<output>.part<i>``) as they go, and once every process is done the main process writes the
 output JSONL: every result, in job order, each with its job under ``"job"``. A rerun skips the jobs whose results
 are in the output or in a part file left by an interrupted run (whatever the number of processes then), so an
 interrupted run loses at most the jobs in flight.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +81,15 @@ def _parts(output: Path) -> list[Path]:
     return sorted(output.parent.glob(glob.escape(output.name) + ".part*"))
 
 
+def _claim(claims: Path, position: int) -> bool:
+    """Take pending job ``position`` for this process: True for exactly one of the processes asking."""
+    try:
+        os.close(os.open(claims / str(position), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 def _key(job: dict) -> str:
     return json.dumps(job, sort_keys=True)
 
@@ -120,24 +132,34 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
     keys = [_key(job) for job in jobs]
     if len(set(keys)) != len(keys):
         raise ValueError("mamba_captum: two jobs are the same; each must name distinct work.")
-    if restart and group.main:
-        for path in [output, *_parts(output)]:
-            path.unlink(missing_ok=True)
+    claims = output.with_name(output.name + ".claims")
+    if group.main:
+        if restart:
+            for path in [output, *_parts(output)]:
+                path.unlink(missing_ok=True)
+        shutil.rmtree(claims, ignore_errors=True)  # an interrupted run's claims: its results are in the parts
+        if group.count > 1:
+            claims.mkdir(parents=True)
     group.wait()
     done = done_records(jobs, output)
     group.wait()  # every process has read the earlier results before any writes
-    mine = [job for job in jobs if _key(job) not in done][group.index::group.count]
+    pending = [job for job in jobs if _key(job) not in done]
     part = output.with_name(f"{output.name}.part{group.index}")
     _drop_cut_line(part)
     bar = None
     if progress and group.main:
         from tqdm.auto import tqdm
 
-        label = progress if group.count == 1 else f"{progress} (process 1 of {group.count})"
-        bar = tqdm(total=len(mine), desc=label, unit="job")
+        # counts the jobs taken, by any process, as the main process goes through the queue
+        label = progress if group.count == 1 else f"{progress} ({group.count} processes)"
+        bar = tqdm(total=len(pending), desc=label, unit="job")
     try:
         with part.open("a", encoding="utf-8") as handle:
-            for job in mine:
+            for position, job in enumerate(pending):
+                if group.count > 1 and not _claim(claims, position):
+                    if bar is not None:
+                        bar.update()
+                    continue  # another process took it
                 record = {**work(job), "job": job}
                 handle.write(json.dumps(record) + "\n")
                 handle.flush()  # as it goes: an interrupted run keeps what it did
@@ -156,5 +178,6 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
         staged.replace(output)
         for path in _parts(output):
             path.unlink()
+        shutil.rmtree(claims, ignore_errors=True)
     group.wait()
     return records

@@ -52,18 +52,23 @@ def test_jobs_are_gathered_in_order_and_an_interrupted_run_is_resumed(tmp_path):
         run_jobs(jobs(2) * 2, lambda job: {}, tmp_path / "twice.jsonl")
 
 
-def test_a_process_takes_every_nth_job(tmp_path):
-    """Process 1 of 3 (its peers' waits stubbed): jobs 1, 4, 7 in its part file; the main one gathers."""
+def test_processes_take_the_jobs_no_other_process_claimed(tmp_path):
+    """Process 1 of 2 (its peer's waits stubbed) after its peer claimed pending jobs 0 and 2: it does the others
+    and claims them; the main process gathers."""
 
     class Peer(Processes):
         def wait(self):
             pass
 
+    claims = tmp_path / "o.jsonl.claims"
+    claims.mkdir()
+    for position in (0, 2):
+        (claims / str(position)).touch()
     seen = []
-    assert run_jobs(jobs(9), lambda job: seen.append(job["line"]) or {}, tmp_path / "o.jsonl",
-                    group=Peer(index=1, count=3)) is None
-    assert seen == [1, 4, 7]
-    assert [json.loads(line)["job"]["line"] for line in (tmp_path / "o.jsonl.part1").open()] == [1, 4, 7]
+    assert run_jobs(jobs(6), lambda job: seen.append(job["line"]) or {}, tmp_path / "o.jsonl",
+                    group=Peer(index=1, count=2)) is None
+    assert seen == [1, 3, 4, 5] and sorted(int(p.name) for p in claims.iterdir()) == list(range(6))
+    assert [json.loads(line)["job"]["line"] for line in (tmp_path / "o.jsonl.part1").open()] == [1, 3, 4, 5]
 
 
 def test_the_explain_command_resumes_a_dataset(tmp_path, capsys, monkeypatch):
@@ -128,9 +133,9 @@ def test_two_processes_explain_a_dataset_as_one_does(tmp_path):
                  "--out", str(tmp_path / "report.html"))
     assert (tmp_path / "two.jsonl").read_text() == (tmp_path / "one.jsonl").read_text()
     assert [json.loads(line)["job"]["line"] for line in (tmp_path / "two.jsonl").open()] == list(range(1, 8))
-    assert two.stderr.count("(process 1 of 2): 100%") == 1 and two.stdout.count("results: ") == 1
+    assert two.stderr.count("(2 processes): 100%") == 1 and two.stdout.count("results: ") == 1
     assert (tmp_path / "report.html").read_text().count("<section class='example'>") == 7
-    assert not list(tmp_path.glob("*.part*"))
+    assert not list(tmp_path.glob("*.part*")) and not list(tmp_path.glob("*.claims"))
 
 
 def test_two_processes_evaluate_as_one_does(tmp_path):
