@@ -182,8 +182,12 @@ def test_rwkv_maps_equal_the_jacobian_of_hfs_wkv(monkeypatch):
 
 def test_griffin_maps_equal_the_jacobian_of_hfs_scan(monkeypatch):
     model, ids, kwargs = model_and_inputs("recurrent_gemma")
-    recorder = Recorder(model, monkeypatch)
     maps = mc.implicit_attention(model, ids, formulation="hidden", reduce=None, **kwargs)
+    # HF's own scan inputs, recorded in a plain forward (the library's rebuild, which runs inside its forward pass,
+    # calls the scan too)
+    recorder = Recorder(model, monkeypatch)
+    with torch.no_grad():
+        model(ids, use_cache=False, **kwargs)
     recorder.remove()
     lru = mixers(model)[0].rg_lru
     for number, (mixer, key) in enumerate(zip(mixers(model), _recurrent_keys(model))):
