@@ -498,8 +498,9 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
                                                                         forward_kwargs.get("pixel_values"))
     selected = _normalise_rows(rows, length, source.device)
     maps = {}
-    with torch.no_grad(), session(model, families.decoder_layers(model)):
-        decoder_layers = families.decoder_layers(model)
+    decoder_layers = families.decoder_layers(model)
+    with torch.no_grad(), session(model, decoder_layers):
+        # an unknown formulation is refused by _capture, before the forward
         kept = families.parse_components(components, formulation) if formulation in FORMULATIONS else None
         stream = _MapStream(model, decoder_layers, formulation, kept, attention_mask, reduce, selected, maps)
         trace, _, _, _ = _capture(model, input_ids, attention_mask, formulation, layers, components, forward_kwargs,

@@ -301,7 +301,7 @@ def _explain(args):
         from .parallel import processes
 
         group = processes(cpu=_runs_on_cpu(args))
-        if group.count > 1 and args.device in ("cuda", "gpu"):
+        if group.count > 1 and args.device == "cuda":
             args.device = f"cuda:{group.state.local_process_index}"  # each process its own GPU
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--text runs in one process; give the texts as --dataset to share them among processes.")
