@@ -401,9 +401,14 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
             if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
                 yield (SharedAttentionKey(index) if parts else index), attention.to(work_dtype), \
                     attention_error, attention_grads
-            for number, (name, operator, error, call) in enumerate(parts):
+            ssm = rebuilt = None  # (the loop's last) float64 operator and rebuilt output: not alive during the maps
+            for number in range(len(parts)):
+                name, operator, error, call = parts[number]
+                parts[number] = None  # the float64 operator is not kept alive while the caller uses the cast one
                 key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
-                yield key, operator.to(work_dtype), error, _operator_grads(operator, call)
+                grads, operator = _operator_grads(operator, call), operator.to(work_dtype)
+                yield key, operator, error, grads
+                del operator
 
 
 def _consumes_attention(located) -> bool:

@@ -147,10 +147,13 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
 
     operator_mask = None if mask is None else mask.to(work_dtype)
     out_proj = linear_readout(mixer.out_proj)
+    # the readouts hold only what they read, not the pieces (u, z, pre, scan: (B, L, D_in) each, long sequences)
     if formulation == "hidden":  # the operator's output is the scan; the D skip and the gate come after it
-        readout = lambda y: out_proj((y + p.skip.double()) * p.gate.double())  # noqa: E731
+        skip, gate = p.skip.double(), p.gate.double()
+        readout = lambda y: out_proj((y + skip) * gate)  # noqa: E731
     else:
-        readout = lambda y: out_proj(y + (p.skip * p.gate).double())  # noqa: E731 (out_proj, linear)
+        skip_gate = (p.skip * p.gate).double()
+        readout = lambda y: out_proj(y + skip_gate)  # noqa: E731 (out_proj, linear)
     return selective_operator(p, formulation, components, operator_mask, readout), rebuilt
 
 
