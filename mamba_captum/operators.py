@@ -347,14 +347,12 @@ class SSDOperator(_CastMixin):
         ones = torch.ones_like(values)
         row = grad.to(self.delta.dtype) * (ones if self.row_weight is None else self.row_weight)
         col = ones if self.col_weight is None else self.col_weight
-        if self.s6:
-            def sum_maps(r, c):
-                return ssd_maps(self.delta, self.A, self.B, self.C, row_weight=r, col_weight=c, rows=rows,
-                                reduce="sum")
+        if self.s6:  # the kernel weights the conv'd columns by the values itself: one call, not one per conv tap
+            out = ssd_maps(self.delta, self.A, self.B, self.C, row_weight=row, col_weight=self.col_weight,
+                           conv_weight=self.conv_weight, rows=rows, reduce="sum", value_weight=values)
         else:
-            def sum_maps(r, c):
-                return banded_maps(r.flatten(2), c.flatten(2), None, rows, "sum")
-        out = post_conv_columns(sum_maps, row, col, values, self.conv_weight, self.delta.shape[1])
+            out = post_conv_columns(lambda r, c: banded_maps(r.flatten(2), c.flatten(2), None, rows, "sum"), row,
+                                    col, values, self.conv_weight, self.delta.shape[1])
         return _mask_rows_cols(out, self.mask, rows)
 
     def maps(self, reduce="mean", rows=None):

@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_leaves
 from mamba_captum.kernels import ssd
 from mamba_captum.kernels.ssd import blocked as blocked_module
 from mamba_captum.kernels.ssd import ssd_maps, ssd_maps_blocked, ssd_maps_naive
+from mamba_captum.kernels.taps import post_conv_columns
 
 BATCH, HEADS, HEAD_DIM, STATE, TAPS = 2, 4, 3, 5, 4
 WEIGHT_NAMES = ("row_weight", "col_weight", "conv_weight")
@@ -76,6 +77,34 @@ def test_blocked_matches_naive(small_blocks, length, groups, with_rows, weights,
     assert out.shape == ref.shape == expected_shape
     assert out.dtype == torch.float32
     assert relative_error(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("weights", ["all", "row+conv", "row+col"])
+@pytest.mark.parametrize("with_rows", [False, True], ids=["all_rows", "rows"])
+@pytest.mark.parametrize("length", [1, 3, 9])
+def test_value_weight_is_the_conv_tap_by_tap(small_blocks, length, with_rows, weights):
+    """A column weight after the conv (gradient x operator x input in one call) equals the general tap-by-tap
+    fallback over the naive kernel, float64, to rounding."""
+    names = {"all": WEIGHT_NAMES, "row+conv": ("row_weight", "conv_weight"), "row+col": ("row_weight", "col_weight")}
+    pieces = make_inputs(length, 2, dtype=torch.float64, seed=length)
+    values = torch.randn(BATCH, length, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1),
+                         dtype=torch.float64)
+    rows = torch.tensor([length - 1, 0, length - 1]) if with_rows else None
+    given = {name: pieces[name] for name in names[weights]}
+    ones = torch.ones_like(values)
+    ref = post_conv_columns(
+        lambda r, c: ssd_maps_naive(*(pieces[n] for n in ("delta", "A", "B", "C")), row_weight=r, col_weight=c,
+                                    rows=rows, reduce="sum"),
+        given["row_weight"], given.get("col_weight", ones), values, given.get("conv_weight"), length)
+    for reduce, scale in (("sum", 1.0), ("mean", HEADS * HEAD_DIM)):
+        out = call(ssd_maps_blocked, pieces, names[weights], rows=rows, reduce=reduce, value_weight=values)
+        assert relative_error(out * scale, ref) <= 1e-12
+
+
+def test_value_weight_needs_a_channel_sum():
+    pieces = make_inputs(4)
+    with pytest.raises(ValueError, match="value_weight needs reduce"):
+        call(ssd_maps_blocked, pieces, reduce=None, value_weight=pieces["row_weight"])
 
 
 @pytest.mark.parametrize("reduce", REDUCES)

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from ..dispatch import precision, use_triton
+from ..taps import post_conv_columns
 from .blocked import ssd_maps_blocked
 from .naive import ssd_maps_naive
 from .triton import ssd_maps_triton
@@ -30,16 +33,26 @@ from .triton import ssd_maps_triton
 __all__ = ["ssd_maps", "ssd_maps_blocked", "ssd_maps_naive", "ssd_maps_triton"]
 
 
-def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=None, rows=None, reduce="mean"):
+def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=None, rows=None, reduce="mean",
+             value_weight=None):
     """Mamba-2 implicit-attention maps with the best available kernel: Triton for CUDA float32, else blocked.
 
     Args:
         delta: (B, L, H). A: (H,). B, C: (B, L, G, N). row_weight, col_weight: (B, L, H, P) or None.
         conv_weight: (H, P, K) or None. rows: None or (R,) query rows. reduce: "mean" | "sum" | "abs_mean" | None.
+        value_weight: (B, L, H, P) or None ("mean" / "sum"): a column weight after the conv,
+            ``H_c · diag(value_weight[:, c])``.
 
     Returns:
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``; dtype and device of delta.
     """
-    kernel = functools.partial(ssd_maps_triton, precision=precision()) if use_triton(delta) else ssd_maps_blocked
-    return kernel(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight, rows=rows,
-                  reduce=reduce)
+    if use_triton(delta):
+        kernel = functools.partial(ssd_maps_triton, delta, A, B, C, rows=rows, reduce=reduce, precision=precision())
+        if value_weight is None:
+            return kernel(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
+        ones = torch.ones_like(value_weight)  # the Triton kernel takes no value weight: the conv tap by tap
+        return post_conv_columns(lambda r, c: kernel(row_weight=r, col_weight=c),
+                                 ones if row_weight is None else row_weight,
+                                 ones if col_weight is None else col_weight, value_weight, conv_weight, delta.shape[1])
+    return ssd_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight,
+                            rows=rows, reduce=reduce, value_weight=value_weight)

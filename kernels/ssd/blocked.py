@@ -37,7 +37,7 @@ CHANNEL_BLOCK_ELEMENTS = 1 << 20  # elements of one per-channel slab (reduce=Non
 
 
 def ssd_maps_blocked(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=None, rows=None,
-                     reduce="mean") -> torch.Tensor:
+                     reduce="mean", value_weight=None) -> torch.Tensor:
     """Mamba-2 implicit-attention maps, tiled (module docstring); same contract as ``ssd_maps_naive``.
 
     Args:
@@ -45,22 +45,45 @@ def ssd_maps_blocked(delta, A, B, C, *, row_weight=None, col_weight=None, conv_w
         row_weight, col_weight: (B, L, H, P) or None. conv_weight: (H, P, K) or None. All None: per-head maps.
         rows: None or (R,) integer query rows (any order, repeats allowed).
         reduce: "mean" | "sum" | "abs_mean" over the channels, or None.
+        value_weight: (B, L, H, P) or None, "mean" / "sum" only: a column weight after the conv,
+            ``H_c · diag(value_weight[:, c])`` (gradient × operator × input in one call: the taps go to the keys,
+            ``col[j] · w_τ · v[j − τ]``, instead of one call per tap).
 
     Returns:
         (B, L, L) / (B, R, L) reduced, (B, C, L, L) / (B, C, R, L) with ``reduce=None``; C = H or H·P.
         Same dtype and device as delta.
     """
     shapes = check_ssd_inputs(delta, A, B, C, row_weight, col_weight, conv_weight, rows, reduce)
+    if value_weight is not None:
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"value_weight needs reduce 'mean' or 'sum', got {reduce!r}")
+        if value_weight.shape[:3] != delta.shape or value_weight.dtype != delta.dtype:
+            raise ValueError(f"value_weight must be (B, L, H, P) in delta's dtype, got {tuple(value_weight.shape)} "
+                             f"{value_weight.dtype}")
     cumulative = delta.to(torch.float64).cumsum(1)  # (B, L, H)
     A64 = A.to(torch.float64)
     if reduce in ("mean", "sum"):
-        out = _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weight, conv_weight)
+        out = _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weight, conv_weight,
+                                value_weight)
         return out / shapes.channels if reduce == "mean" else out
     return _per_channel_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weight, conv_weight, reduce)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Channel sum
+
+
+def _value_tap_features(shapes, like, row_weight, col_weight, conv_weight, value_weight):
+    """Query and key features with a column weight after the conv, for one batch element: query ``row`` (L, H, P, 1)
+    and key ``col[j] · w_τ · v[j − τ]`` (L, H, P, K), v = 0 before token 0 (the conv's zero padding)."""
+    length, heads, head_dim, taps = shapes.length, shapes.heads, value_weight.shape[-1], shapes.taps
+    tap_weights = like.new_ones(heads, head_dim, 1) if conv_weight is None else conv_weight.flip(-1)
+    shifted = like.new_zeros(length, heads, head_dim, tap_weights.shape[-1])
+    for tau in range(min(tap_weights.shape[-1], length)):
+        shifted[tau:, :, :, tau] = value_weight[:length - tau]
+    key = shifted * tap_weights if col_weight is None else shifted * tap_weights * col_weight[..., None]
+    query = like.new_ones(1, 1, 1, 1).expand(length, heads, head_dim, 1) if row_weight is None else row_weight[..., None]
+    return query, key
 
 
 def _tap_features(shapes, like, row_weight, col_weight, conv_weight):
@@ -128,8 +151,9 @@ def _alpha_block(delta, cumulative, A64, B, C, query_rows, keys: slice) -> torch
     return scores.repeat_interleave(heads // groups, dim=0) * decay.permute(2, 0, 1)
 
 
-def _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weight, conv_weight) -> torch.Tensor:
-    """Σ_c H_c: (B, L, L) or (B, R, L)."""
+def _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weight, conv_weight,
+                      value_weight=None) -> torch.Tensor:
+    """Σ_c H_c (times ``diag(value_weight)`` after the conv when given): (B, L, L) or (B, R, L)."""
     length, heads, groups, dtype = shapes.length, shapes.heads, shapes.groups, delta.dtype
     if shapes.rows is None:
         query_rows, inverse = torch.arange(length, device=delta.device), None
@@ -141,9 +165,11 @@ def _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weig
 
     out = delta.new_zeros(shapes.batch, len(query_rows), length)
     for b in range(shapes.batch):
-        query_features, key_features = _tap_features(
-            shapes, delta, None if row_weight is None else row_weight[b], None if col_weight is None else col_weight[b],
-            conv_weight)
+        row, col = (None if w is None else w[b] for w in (row_weight, col_weight))
+        if value_weight is None:
+            query_features, key_features = _tap_features(shapes, delta, row, col, conv_weight)
+        else:
+            query_features, key_features = _value_tap_features(shapes, delta, row, col, conv_weight, value_weight[b])
         first = 0
         for tile_id, count in zip(tile_ids.tolist(), rows_per_tile.tolist()):
             rows_slice = slice(first, first + count)
