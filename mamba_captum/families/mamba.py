@@ -36,13 +36,16 @@ def _masked(tensor, mask):
 class ScanPieces:
     """One selective scan of a Mamba-1 layout, rebuilt from its conv input: everything an operator needs.
 
-    ``x`` (conv input), ``z`` (gate input), ``u`` (scan input), ``pre`` (conv pre-activation), ``delta``: (B, L, D);
-    ``A``: (D, N); ``B``, ``C``: (B, L, N); ``scan``: the S6 output without D skip and gate (B, L, D); ``skip`` = D·u;
-    ``gate`` = silu(z); ``taps``: (D, K) conv weights. All in the work dtype.
+    ``x`` (conv input), ``u`` (scan input), ``pre`` (conv pre-activation), ``delta``: (B, L, D); ``A``: (D, N);
+    ``B``, ``C``: (B, L, N); ``scan``: the S6 output without D skip and gate (B, L, D); ``skip`` = D·u;
+    ``gate`` = silu(z); ``taps``: (D, K) conv weights.
+
+    ``x``, ``u``, ``pre`` and ``scan`` stay in the precision they were computed in (the model's; the check's scan):
+    a float64 copy would hold the same values in twice the memory (long sequences). Formulas upcast them where they
+    meet the float64 pieces (``delta``, ``A``, ``B``, ``C``, ``skip``, ``gate``, ``taps``: the work dtype).
     """
 
     x: torch.Tensor
-    z: torch.Tensor
     u: torch.Tensor
     pre: torch.Tensor
     delta: torch.Tensor
@@ -92,12 +95,12 @@ def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, sta
     if norm_dt_after_projection:
         dt = dt * torch.rsqrt(dt.pow(2).mean(-1, keepdim=True) + norms[0].eps) * w(norms[0].weight)
     delta = F.softplus(dt + w(dt_proj.bias))
+    del dt
     A = -torch.exp(w(A_log))
-    u, z, pre, B, C = w(u), w(z), w(pre), w(B), w(C)
+    B, C = w(B), w(C)
     check = lambda t: t.to(check_dtype)  # noqa: E731
-    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)).to(work_dtype) \
-        if with_scan else None
-    return ScanPieces(w(x), z, u, pre, delta, A, B, C, scan, w(D) * u, F.silu(z), w(taps))
+    scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)) if with_scan else None
+    return ScanPieces(x.contiguous(), u, pre, delta, A, B, C, scan, w(D) * w(u), F.silu(w(z)), w(taps))
 
 
 def selective_operator(pieces: ScanPieces, formulation: str, components: frozenset, mask, readout=None,
@@ -108,18 +111,22 @@ def selective_operator(pieces: ScanPieces, formulation: str, components: frozens
     ``mask``: (B, L) in the work dtype or None. ``row_scale`` multiplies the unified row weights (Vim's ½).
     """
     p = pieces
+    w = lambda t: t.to(p.delta.dtype)  # noqa: E731
     if formulation == "hidden":
-        return SelectiveOperator(p.delta, p.A, p.B, p.C, mask, values=p.u, output=p.scan, readout=readout)
-    col = torch.sigmoid(p.pre) if "act" in components else None
+        return SelectiveOperator(p.delta, p.A, p.B, p.C, mask, values=p.u, output=w(p.scan), readout=readout)
+    col = torch.sigmoid(w(p.pre)) if "act" in components else None
     if mask is not None:
-        col = mask[:, :, None].expand_as(p.u) if col is None else col * mask[:, :, None]
+        col = mask[:, :, None].expand_as(p.delta) if col is None else col * mask[:, :, None]
     row = p.gate if "gate" in components else None
     if row_scale != 1.0:
-        row = row_scale * (torch.ones_like(p.u) if row is None else row)
+        row = row_scale * (torch.ones_like(p.delta) if row is None else row)
+    output = p.gate * p.scan  # (float64: type promotion, no upcast copy of the scan)
+    if row_scale != 1.0:
+        output.mul_(row_scale)
     return SelectiveOperator(
         p.delta, p.A, p.B, p.C, mask, row_weight=row, col_weight=col,
         conv_weight=p.taps if "conv" in components else None, s6="s6" in components,
-        values=p.x, output=p.scan * p.gate * row_scale, readout=readout)
+        values=p.x, output=output, readout=readout)
 
 
 def check_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -143,6 +150,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     p = scan_pieces(x, z, mask, conv1d=mixer.conv1d, x_proj=mixer.x_proj, dt_proj=mixer.dt_proj, A_log=mixer.A_log,
                     D=mixer.D, rank=mixer.time_step_rank, state_size=mixer.ssm_state_size, norms=norms,
                     unfused=call.unfused, work_dtype=work_dtype, check_dtype=check_dtype(hidden))
+    del x, z  # the pieces hold what they need: the in_proj output goes (long sequences)
     rebuilt = run(mixer.out_proj, ((p.scan + p.skip) * p.gate).to(hidden.dtype))
 
     operator_mask = None if mask is None else mask.to(work_dtype)
@@ -153,6 +161,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         readout = lambda y: out_proj((y + skip) * gate)  # noqa: E731
     else:
         skip_gate = (p.skip * p.gate).double()
+        p.skip = None  # folded into skip_gate: one (B, L, D_in) float64 fewer while the operator is built
         readout = lambda y: out_proj(y + skip_gate)  # noqa: E731 (out_proj, linear)
     return selective_operator(p, formulation, components, operator_mask, readout), rebuilt
 
@@ -166,7 +175,7 @@ def lrp_inner(pieces: ScanPieces, x, z, mask, *, conv1d, D, unfused: bool, work_
     length = x.shape[1]
     pre = F.conv1d(w(x).transpose(1, 2), w(conv1d.weight), None if conv1d.bias is None else w(conv1d.bias),
                    padding=conv1d.weight.shape[-1] - 1, groups=conv1d.weight.shape[0])[..., :length].transpose(1, 2)
-    u = pre * torch.sigmoid(pieces.pre)  # silu(pre), the identity rule
+    u = pre * torch.sigmoid(w(pieces.pre))  # silu(pre), the identity rule
     if unfused:
         u = _masked(u, None if mask is None else w(mask))
     scan = selective_scan(u.transpose(1, 2), pieces.delta.transpose(1, 2), pieces.A, pieces.B.transpose(1, 2),
