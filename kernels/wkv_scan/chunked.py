@@ -15,8 +15,8 @@ Backward: the adjoints λ_t = ∂L/∂(S_t, D_t) obey the same kind of recurrenc
 
     λ_{t−1} = e^w λ_t + (g_t, −g_t wkv_t) / Dn_t,
 
-so :func:`log_scan` runs it too (on the flipped sequence, the "keys" being −log Dn_t; every λ is again stored over
-a running max). Then, all vectorised (p_t = e^{u + k_t} / Dn_t the token's own weight):
+so :func:`log_scan` runs it too, from the last token to the first (the "keys" being −log Dn_t; every λ is again
+stored over a running max). Then, all vectorised (p_t = e^{u + k_t} / Dn_t the token's own weight):
 
     ∂v_t = g_t p_t + e^{k_t} λ^S_t,   ∂k_t = g_t p_t (v_t − wkv_t) + e^{k_t} (λ^S_t v_t + λ^D_t),
     ∂u = Σ g_t p_t (v_t − wkv_t),     ∂w = Σ_t e^w (λ^S_t S_{t−1} + λ^D_t D_{t−1}),
@@ -27,59 +27,82 @@ from the returned one (whose max, a running maximum, passes its gradient to the 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..rglru_scan.chunked import _sequence_first, _tokens_first
 from .naive import EMPTY_MAX, accumulation_dtype, start_state
 
 CHUNK = 32  # tokens per chunk: T + L/T Python steps per scan (48 at L = 512)
 
 
-def log_scan(values, keys, decay, start_values, start_max, chunk: int = CHUNK):
-    """X_t = e^{decay} X_{t−1} + e^{keys_t} values_t for each numerator in ``values``, all stored over one shared
-    running max (X = x · e^max); no autograd (see the module docstring).
+def _floor(dtype: torch.dtype) -> float:
+    """Just above the log of the smallest normal number: where exp's result nears it, torch's CPU exp takes a slow
+    path (~30x). Every exp here weighs a term against one of weight 1 (the running max's, or the token's own in
+    Dn), so flooring its exponent moves nothing by more than e^floor (3e-38 in float32, 6e-308 in float64)."""
+    return math.log(torch.finfo(dtype).tiny) + 1.0
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(x.clamp_min(_floor(x.dtype)))
+
+
+def _rescale(decayed, top):
+    """(old, new) = (e^{decayed − m}, e^{top − m}) with m = max(decayed, top): one of them is 1."""
+    diff, floor = decayed - top, _floor(top.dtype)
+    return torch.exp(diff.clamp(floor, 0.0)), torch.exp(diff.neg_().clamp_(floor, 0.0))
+
+
+def log_scan(values, keys, decay, start_values, start_max, chunk: int = CHUNK, reverse: bool = False):
+    """X_t = e^{decay} X_{t−1} + e^{keys_t} values_t (X_{t+1} with ``reverse``) for each numerator in ``values``,
+    all stored over one shared running max (X = x · e^max); no autograd (see the module docstring).
 
     Args:
-        values: tuple of (B, L, C).  keys: (B, L, C).  decay: (C,) ≤ 0.
-        start_values: tuple of (B, C), the scaled state before the first token.  start_max: (B, C).
+        values: (V, B, L, C) numerators.  keys: (B, L, C).  decay: (C,) ≤ 0.
+        start_values: (V, B, C) the scaled state before the first token (after the last with ``reverse``).
+        start_max: (B, C).  reverse: run from the last token to the first.
     Returns:
-        (tuple of (B, L, C), (B, L, C)): the scaled states and their max after each token.
+        ((V, B, L, C), (B, L, C)): the scaled states and their max after each token (in the scan's order).
     """
-    length = keys.shape[1]
-    top = _tokens_first(keys, chunk)  # (T, B, n, C): each chunk's own running max, in place
-    local = [_tokens_first(v, chunk) for v in values]  # each chunk's own numerators, in place
-    for i in range(1, chunk):  # token i of every chunk, from an empty state at the chunk's start
-        decayed = top[i - 1] + decay
-        new_top = torch.maximum(decayed, top[i])
-        old, new = torch.exp(decayed - new_top), torch.exp(top[i] - new_top)
-        for x in local:
-            x[i].mul_(new).addcmul_(old, x[i - 1])
-        top[i] = new_top
-    entering_top = torch.empty_like(top[0])  # (B, n, C): the state before each chunk
-    entering = [torch.empty_like(x[0]) for x in local]
-    entering_top[:, 0] = start_max
-    for e, s in zip(entering, start_values):
-        e[:, 0] = s
-    for c in range(1, entering_top.shape[1]):
-        decayed = entering_top[:, c - 1] + chunk * decay
-        new_top = torch.maximum(decayed, top[-1, :, c - 1])
-        old, new = torch.exp(decayed - new_top), torch.exp(top[-1, :, c - 1] - new_top)
-        for e, x in zip(entering, local):
-            e[:, c] = old * e[:, c - 1] + new * x[-1, :, c - 1]
-        entering_top[:, c] = new_top
-    steps = torch.arange(1, chunk + 1, dtype=decay.dtype, device=decay.device)[:, None, None, None]
-    decayed = entering_top + steps * decay  # the state before the chunk, decayed to each token of it
-    merged_top = torch.maximum(decayed, top)
-    old, new = torch.exp(decayed - merged_top), torch.exp(top - merged_top)
-    merged = [old * e + new * x for e, x in zip(entering, local)]
-    return tuple(_sequence_first(x, length) for x in merged), _sequence_first(merged_top, length)
+    batch, length, channels = keys.shape
+    n = -(-length // chunk)
+    offset = n * chunk - length if reverse else 0  # zero padding where the scan ends: it reaches no real token
+
+    def fold(x):  # a fresh (..., B, n, T, C) copy
+        out = x.new_zeros(*x.shape[:-2], n * chunk, channels)
+        out[..., offset:offset + length, :] = x
+        return out.view(*x.shape[:-2], n, chunk, channels)
+
+    top, local = fold(keys), fold(values)  # each chunk's own running max and numerators, in place
+    back = 1 if reverse else -1  # the token before, in the scan's order, is i + back
+    for i in range(chunk - 2, -1, -1) if reverse else range(1, chunk):  # every chunk from an empty state
+        decayed = top[:, :, i + back] + decay
+        old, new = _rescale(decayed, top[:, :, i])
+        torch.maximum(decayed, top[:, :, i], out=top[:, :, i])
+        local[..., i, :].mul_(new).addcmul_(old, local[..., i + back, :])
+    entering_top = start_max.new_empty(batch, n, channels)  # the state before each chunk, in the scan's order
+    entering = local.new_empty(values.shape[0], batch, n, channels)
+    first, exit_ = (n - 1, 0) if reverse else (0, chunk - 1)
+    entering_top[:, first], entering[:, :, first] = start_max, start_values
+    for c in range(n - 2, -1, -1) if reverse else range(1, n):
+        decayed = entering_top[:, c + back] + chunk * decay
+        old, new = _rescale(decayed, top[:, c + back, exit_])
+        entering_top[:, c] = torch.maximum(decayed, top[:, c + back, exit_])
+        entering[:, :, c] = old * entering[:, :, c + back] + new * local[:, :, c + back, exit_]
+    steps = torch.arange(chunk, 0, -1) if reverse else torch.arange(1, chunk + 1)  # from the chunk's entry
+    decayed = entering_top[:, :, None] + steps.to(decay)[:, None] * decay  # (B, n, T, C)
+    old, new = _rescale(decayed, top)
+    torch.maximum(decayed, top, out=top)
+    local.mul_(new).addcmul_(old, entering[:, :, :, None])
+    unfold = lambda x: x.view(*x.shape[:-3], n * chunk, channels)[..., offset:offset + length, :]  # noqa: E731
+    return unfold(local), unfold(top)
 
 
 def outputs(k, v, first, before_num, before_den, before_max):
     """wkv_t, the token's own weight p_t = e^{u + k_t} / Dn_t and log Dn_t, from the state before each token.
     All (B, L, C)."""
     top = torch.maximum(before_max, k + first)
-    e1, e2 = torch.exp(before_max - top), torch.exp(k + first - top)
+    e1, e2 = _exp(before_max - top), _exp(k + first - top)
     den = e1 * before_den + e2
     return (e1 * before_num + e2 * v) / den, e2 / den, top + torch.log(den)
 
@@ -119,36 +142,36 @@ class _WkvScan(torch.autograd.Function):
         decay, first = (-torch.exp(time_decay)).to(acc), time_first.to(acc)
         k, v = key.to(acc), value.to(acc)
         num0, den0, max0 = (s.clone() for s in (num0, den0, max0))  # HF's states are slices it overwrites in place
-        (num, den), top = log_scan((v, torch.ones_like(v)), k, decay, (num0, den0), max0, chunk)
+        (num, den), top = log_scan(torch.stack([v, torch.ones_like(v)]), k, decay, torch.stack([num0, den0]), max0,
+                                   chunk)
         before = [torch.cat([s0[:, None], s[:, :-1]], dim=1) for s0, s in ((num0, num), (den0, den), (max0, top))]
         last = num[:, -1].clone(), den[:, -1].clone(), top[:, -1].clone()
-        ctx.save_for_backward(time_decay, time_first, k, v, *before, num0, den0, max0, *last)
-        ctx.chunk, ctx.dtypes = chunk, (key.dtype, value.dtype, num0.dtype)
+        wkv, own, log_norm = outputs(k, v, first, *before)
+        ctx.save_for_backward(time_decay, k, v, *before, wkv, own, log_norm, num0, den0, max0, *last)
+        ctx.chunk, ctx.dtypes = chunk, (key.dtype, value.dtype, num0.dtype, time_first.dtype)
         ctx.set_materialize_grads(False)
-        return (outputs(k, v, first, *before)[0].to(key.dtype), *last)
+        return (wkv.to(key.dtype), *last)
 
     @staticmethod
     def backward(ctx, grad_wkv, *grads_last):
-        time_decay, time_first, k, v, *before, num0, den0, max0, num_l, den_l, max_l = ctx.saved_tensors
+        time_decay, k, v, *before, wkv, own, log_norm, num0, den0, max0, num_l, den_l, max_l = ctx.saved_tensors
         acc = k.dtype
-        decay, first = (-torch.exp(time_decay)).to(acc), time_first.to(acc)
-        wkv, own, log_norm = outputs(k, v, first, *before)
+        decay = (-torch.exp(time_decay)).to(acc)
         g = torch.zeros_like(k) if grad_wkv is None else grad_wkv.to(acc)
         zeros = torch.zeros_like(num0)
         if all(x is None for x in grads_last):
             end = zeros, zeros, torch.full_like(zeros, EMPTY_MAX)
         else:  # λ after the last token: the returned num and den are the states over e^{max_l}
             end = tuple(zeros if x is None else x.to(acc) for x in grads_last[:2]) + (-max_l,)
-        (adj_s, adj_d), adj_max = log_scan((g.flip(1), (-g * wkv).flip(1)), (-log_norm).flip(1), decay, end[:2],
-                                           end[2], ctx.chunk)
-        adj_s, adj_d, adj_max = adj_s.flip(1), adj_d.flip(1), adj_max.flip(1)  # [t] = λ_{t−1}
+        (adj_s, adj_d), adj_max = log_scan(torch.stack([g, -g * wkv]), -log_norm, decay, torch.stack(end[:2]),
+                                           end[2], ctx.chunk, reverse=True)  # [t] = λ_{t−1}
         after = [torch.cat([x[:, 1:], e[:, None]], dim=1) for x, e in zip((adj_s, adj_d, adj_max), end)]  # λ_t
-        scale = torch.exp(after[2] + k)  # e^{k_t} λ_t = (λ^S, λ^D) · scale
+        scale = _exp(after[2] + k)  # e^{k_t} λ_t = (λ^S, λ^D) · scale
         direct = g * own
         grad_v = direct + after[0] * scale
         grad_first = direct * (v - wkv)
         grad_k = grad_first + scale * (after[0] * v + after[1])
-        weight = torch.exp(after[2] + decay + before[2])  # e^w λ_t S_{t−1} = (λ^S num) · weight
+        weight = _exp(after[2] + decay + before[2])  # e^w λ_t S_{t−1} = (λ^S num) · weight
         grad_decay = ((after[0] * before[0] + after[1] * before[1]) * weight).sum((0, 1))
         grad_num0, grad_den0, grad_max0, routed_k, routed_decay = boundary_gradients(
             k, decay, (num0, den0, max0), (adj_s[:, 0], adj_d[:, 0], adj_max[:, 0]), (num_l, den_l, max_l),
@@ -156,8 +179,8 @@ class _WkvScan(torch.autograd.Function):
         if routed_k is not None:
             grad_k = grad_k + routed_k
         grad_time_decay = (grad_decay + routed_decay) * decay  # w = −exp(time_decay)
-        key_dtype, value_dtype, state_dtype = ctx.dtypes
-        return (grad_time_decay.to(time_decay.dtype), grad_first.sum((0, 1)).to(time_first.dtype),
+        key_dtype, value_dtype, state_dtype, first_dtype = ctx.dtypes
+        return (grad_time_decay.to(time_decay.dtype), grad_first.sum((0, 1)).to(first_dtype),
                 grad_k.to(key_dtype), grad_v.to(value_dtype), grad_num0.to(state_dtype), grad_den0.to(state_dtype),
                 grad_max0.to(state_dtype), None)
 
