@@ -20,6 +20,7 @@ Run:  python benchmarks/bench_scan.py [--families mamba rwkv griffin] [--lengths
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
 
@@ -106,8 +107,15 @@ def recurrent_rows(family, length, repeats):
         model(ids, use_cache=False)  # warm-up (and RWKV's own first-forward rescaling)
     rows.append(("model fwd + bwd of one logit", *(fastest(lambda: model_time(model, ids, fast), repeats)
                                                    for fast in (False, True))))
+    rows.append(("model forward, no grad (for scale)", *(fastest(lambda: forward_time(model, ids, fast), repeats)
+                                                         for fast in (False, True))))
     for what, hf, fast in rows:
-        print(f"| {label} | {length} | {what} | {hf:.2f} | {fast:.2f} | {hf / fast:.1f}x |", flush=True)
+        print(f"| {label} | {length} | {what} | {hf:.3g} | {fast:.3g} | {hf / fast:.1f}x |", flush=True)
+
+
+def forward_time(model, ids, fast):
+    with torch.no_grad(), (mc.fast_scans(model) if fast else contextlib.nullcontext()):
+        model(ids, use_cache=False)
 
 
 def main():
