@@ -24,6 +24,11 @@ from mamba_captum.session import EAGER
 
 SCAN_MODULES = [importlib.import_module(path) for path in fast_scans_module.SCAN_MODULES.values()]
 ORIGINAL_SCANS = {module: module.mamba_selective_scan for module in SCAN_MODULES}
+# RWKV's WKV (a module global) and Griffin's RG-LRU scan (a method), which fast_scans swaps too
+RECURRENT_SCANS = [(importlib.import_module("transformers.models.rwkv.modeling_rwkv"), "rwkv_linear_attention"),
+                   (importlib.import_module("transformers.models.recurrent_gemma.modeling_recurrent_gemma")
+                    .RecurrentGemmaRglru, "_rnn_scan")]
+ORIGINAL_RECURRENT_SCANS = [getattr(owner, attribute) for owner, attribute in RECURRENT_SCANS]
 ALL_FAMILIES = list(CONFIGS) + list(RECURRENT_CONFIGS)
 
 
@@ -31,6 +36,7 @@ def assert_globals_restored():
     """transformers' module globals and torch.compile's stance as they were before the library ran."""
     assert "get_interface" not in vars(ALL_ATTENTION_FUNCTIONS)
     assert all(module.mamba_selective_scan is ORIGINAL_SCANS[module] for module in SCAN_MODULES)
+    assert [getattr(owner, attribute) for owner, attribute in RECURRENT_SCANS] == ORIGINAL_RECURRENT_SCANS
     assert EAGER.users == 0 and torch._dynamo.eval_frame._stance.stance == "default"
 
 

@@ -91,6 +91,14 @@ class Recorder:
             handle.remove()
 
 
+def record_hfs_wkv(model, ids):
+    """A plain forward, so that the Recorder sees HF's own WKV: the library's forward runs inside fast_scans(),
+    whose dispatcher sends the calls to the fast scan, past the recording wrapper. (This first eval forward also
+    does RWKV's one-time rescaling, so the library's forward then computes exactly the same.)"""
+    with torch.no_grad():
+        model(ids, use_cache=False)
+
+
 def per_channel_product(maps, values):
     """Σ_j H_c[i, j] x_c[j]: (B, C, L, L) × (B, L, C) -> (B, L, C)."""
     return torch.einsum("bcij,bjc->bic", maps.double(), values.double())
@@ -106,6 +114,8 @@ def _recurrent_keys(model):
 def test_hidden_identity_reproduces_the_recurrence(family, monkeypatch):
     model, ids, kwargs = model_and_inputs(family)
     recorder = Recorder(model, monkeypatch)
+    if family == "rwkv":
+        record_hfs_wkv(model, ids)
     maps = mc.implicit_attention(model, ids, formulation="hidden", reduce=None, **kwargs)
     recorder.remove()
     keys = _recurrent_keys(model)
@@ -168,6 +178,7 @@ def test_contribution_rows_sum_to_the_first_order_contribution(family, formulati
 def test_rwkv_maps_equal_the_jacobian_of_hfs_wkv(monkeypatch):
     model, ids, _ = model_and_inputs("rwkv")
     recorder = Recorder(model, monkeypatch)
+    record_hfs_wkv(model, ids)
     maps = mc.implicit_attention(model, ids, formulation="hidden", reduce=None)
     recorder.remove()
     for number, key in enumerate(_recurrent_keys(model)):

@@ -7,6 +7,8 @@ import torch
 import transformers.models.falcon_mamba.modeling_falcon_mamba as hf_falcon_mamba
 import transformers.models.jamba.modeling_jamba as hf_jamba
 import transformers.models.mamba.modeling_mamba as hf_mamba
+import transformers.models.recurrent_gemma.modeling_recurrent_gemma as hf_griffin
+import transformers.models.rwkv.modeling_rwkv as hf_rwkv
 import transformers.models.zamba.modeling_zamba as hf_zamba
 from conftest import relative_error
 from test_identities import liven
@@ -83,7 +85,8 @@ def test_swapped_only_inside_and_restored_on_every_exit():
         with mc.fast_scans(make_model("mamba")):  # nested: one dispatcher per module, the thread counted twice
             assert [m.mamba_selective_scan for m in SCAN_MODULES] == dispatchers
             assert depth() == {hf_mamba.__name__: 2, hf_falcon_mamba.__name__: 1, hf_jamba.__name__: 1,
-                               hf_zamba.__name__: 1}
+                               hf_zamba.__name__: 1, hf_rwkv.__name__: 1,  # RWKV, Griffin: test_recurrent_scans
+                               f"{hf_griffin.__name__}.RecurrentGemmaRglru": 1}
         assert all(count == 1 for count in depth().values())
     assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals and not depth()
     with pytest.raises(RuntimeError, match="boom"), mc.fast_scans():
