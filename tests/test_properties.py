@@ -19,9 +19,8 @@ Profiles (hypothesis settings), chosen with the environment variable ``MAMBA_CAP
 
 - ``ci`` (default): few examples (CI_EXAMPLES), small shapes, ``derandomize=True`` (the same examples on every run,
   so CI is reproducible), no example database, no deadline. Each property also has a twin marked ``heavy`` (the
-  opt-in profile, ``pytest -m heavy``) drawing HEAVY_EXAMPLES derandomized examples: the ones this profile drew
-  before it was cut to CI_EXAMPLES (hypothesis's choices depend on the count: most, not all, of the default's are
-  among them).
+  opt-in profile, ``pytest -m heavy``) drawing HEAVY_EXAMPLES derandomized examples of its own: hypothesis seeds a
+  parametrized test by its node id, so the twin's examples are not the default test's.
 - ``long``: many more examples and larger shapes, random (not derandomized), for a run on demand::
 
       MAMBA_CAPTUM_HYPOTHESIS=long pytest tests/test_properties.py -k mamba2
@@ -64,8 +63,8 @@ HEAVY_PROFILE = settings(PROFILE, max_examples=max(PROFILE.max_examples, HEAVY_E
 
 def heavy_twin(test):
     """The property of ``test`` (a ``@given`` test under PROFILE) drawing HEAVY_EXAMPLES examples, with ``test``'s
-    parametrization, marked ``heavy``: the same inner function, so under ``ci`` the derandomized examples that
-    ``test`` drew with max_examples=HEAVY_EXAMPLES."""
+    parametrization, marked ``heavy``. Under ``ci`` its examples are derandomized too; hypothesis seeds them with the
+    test's node id (when parametrized), so they are other examples than the default test's."""
     twin = HEAVY_PROFILE(given(data=st.data())(test.hypothesis.inner_test))
     twin.pytestmark = [*getattr(test, "pytestmark", []), pytest.mark.heavy.mark]
     return twin
