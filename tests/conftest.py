@@ -3,6 +3,10 @@ import os
 # Triton kernels run on CPU through Triton's interpreter (exact, slow); it is chosen when the kernels are defined,
 # so before anything imports them. Run with TRITON_INTERPRET=0 on a CUDA machine to test the compiled kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch thread, in this process and in those the tests start (the CLI, the notebooks' kernels), unless
+# OMP_NUM_THREADS says otherwise: the test models are tiny, a second thread gains nothing on them, and on a busy
+# machine two threads wait for each other (a test of 3 s CPU took 65 s with two threads on 2 loaded cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import sys
 from pathlib import Path
@@ -15,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
 
 # HF logs a one-time "falling back to the PyTorch implementation" per kernel function on CPU; keep output readable.
 transformers.logging.set_verbosity_error()
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # also if torch was imported before this file
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

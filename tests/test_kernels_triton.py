@@ -26,6 +26,30 @@ REDUCES = ["mean", "sum", "abs_mean", None]
 TOLERANCE = 1e-5  # fp32 IEEE products, float64 exponents: measured ≤ 3e-7
 
 
+def sweep(rows, reduces, weights, chosen):
+    """``parametrize`` over every (rows, reduce, weights) combination (each axis a list of (id, value)), with the ids
+    three stacked parametrize decorators gave them ("full-mean-all"). The default profile runs a pairwise subset,
+    every value of each axis with every value of each other axis: the ``chosen`` axis (two values) takes the value
+    (i + j) mod 2 of the other two axes' indices. The other combinations are marked heavy. Each kernel branch (every
+    reduction, row / column / conv weights, the rows path, GEMM and direct tiles) still runs by default."""
+    axes = {"rows": rows, "reduce": reduces, "weights": weights}
+    assert len(axes[chosen]) == 2
+    first, second = (name for name in axes if name != chosen)
+    params = []
+    for k, (row_id, row) in enumerate(rows):
+        for i, (reduce_id, reduce) in enumerate(reduces):
+            for j, (weight_id, weight) in enumerate(weights):
+                index = {"rows": k, "reduce": i, "weights": j}
+                default = index[chosen] == (index[first] + index[second]) % 2
+                params.append(pytest.param(row, reduce, weight, id=f"{row_id}-{reduce_id}-{weight_id}",
+                                           marks=() if default else pytest.mark.heavy))
+    return pytest.mark.parametrize("rows,reduce,weights", params)
+
+
+def _ids(values, ids=None):
+    return list(zip(ids or [str(value) for value in values], values))
+
+
 def _randn(*shape, scale=1.0):
     return torch.randn(*shape, dtype=torch.float64) * scale
 
@@ -44,9 +68,8 @@ def _mamba1_inputs(weights, batch=2, channels=5, state=3, taps=4):
     return inputs
 
 
-@pytest.mark.parametrize("weights", [False, True], ids=["hidden", "unified"])
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("rows", [None, LATE_ROWS, MIXED_ROWS], ids=["full", "late_rows", "mixed_rows"])
+@sweep(_ids([None, LATE_ROWS, MIXED_ROWS], ["full", "late_rows", "mixed_rows"]), _ids(REDUCES),
+       _ids([False, True], ["hidden", "unified"]), chosen="weights")
 def test_selective_triton_equals_reference(weights, reduce, rows):
     inputs = _mamba1_inputs(weights)
     expected = selective_maps_naive(**inputs, rows=rows, reduce=reduce)
@@ -66,9 +89,7 @@ def test_selective_triton_large_decays_stay_finite():
     assert relative_error(got, expected) < TOLERANCE
 
 
-@pytest.mark.parametrize("weights", ["none", "col", "all"])
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("rows", [None, LATE_ROWS], ids=["full", "late_rows"])
+@sweep(_ids([None, LATE_ROWS], ["full", "late_rows"]), _ids(REDUCES), _ids(["none", "col", "all"]), chosen="rows")
 def test_ssd_triton_equals_reference(weights, reduce, rows):
     batch, heads, groups, head_dim, state, taps = 2, 4, 2, 3, 5, 4
     inputs = dict(delta=torch.rand(batch, LENGTH, heads, dtype=torch.float64) * 0.5,
@@ -97,9 +118,8 @@ def _rwkv_like(batch=2, channels=6, key_scale=30.0):
     return dict(log_decay=w, log_q=-log_z, log_k=k, log_diag=u + k - log_z)
 
 
-@pytest.mark.parametrize("weights", [False, True], ids=["hidden", "unified"])
-@pytest.mark.parametrize("reduce", REDUCES)
-@pytest.mark.parametrize("rows", [None, LATE_ROWS], ids=["full", "late_rows"])
+@sweep(_ids([None, LATE_ROWS], ["full", "late_rows"]), _ids(REDUCES), _ids([False, True], ["hidden", "unified"]),
+       chosen="weights")
 def test_decay_triton_equals_reference_for_rwkv(weights, reduce, rows):
     inputs = _rwkv_like()
     if weights:
@@ -168,13 +188,20 @@ def test_dispatch_settings_and_restoration(monkeypatch):
     assert relative_error(via_dispatch, decay_maps_naive(**inputs)) < TOLERANCE
 
 
-@pytest.mark.parametrize("family", ["mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba"])
-def test_engine_maps_through_triton_equal_the_torch_kernels(family):
+# The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU. Two layers (a Mamba
+# layer, an attention layer with the MoE block) run the same kernels once; the 4-layer model is the heavy repetition.
+ENGINE_MODELS = [*(pytest.param(family, {}, id=family) for family in ("mamba", "mamba2", "rwkv", "recurrent_gemma")),
+                 pytest.param("jamba", dict(num_hidden_layers=2, attn_layer_offset=1), id="jamba"),
+                 pytest.param("jamba", {}, id="jamba-4_layers", marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize("family,size", ENGINE_MODELS)
+def test_engine_maps_through_triton_equal_the_torch_kernels(family, size):
     import mamba_captum as mc
     from test_rwkv_griffin import RESET_POSITIONS
     from tiny_models import VOCAB, make_model
 
-    model = make_model(family)
+    model = make_model(family, **size)
     ids = torch.randint(3, VOCAB, (2, 10))
     kwargs = {"position_ids": RESET_POSITIONS[:, :10]} if family == "recurrent_gemma" else {}
     for formulation in ("unified", "hidden"):

@@ -46,14 +46,22 @@ def mamba():
 
 
 # -- compiled models ------------------------------------------------------------------------------------------------
+# Dynamo's trace dominates (about 8 s of CPU per layer of the tiny Jamba): two layers hold every kind the tiny Jamba
+# has (a Mamba layer with a dense MLP, an attention layer with the MoE block, whose nonzero breaks the graph); the
+# full 4-layer tiny Jamba is the heavy repetition.
+JAMBA_SIZES = [pytest.param(dict(num_hidden_layers=2, attn_layer_offset=1), id="2_layers"),
+               pytest.param({}, id="4_layers", marks=pytest.mark.heavy)]
+
+
+@pytest.mark.parametrize("size", JAMBA_SIZES)
 @pytest.mark.parametrize("how", ["wrapper", "in_place"])
-def test_compiled_model_gives_the_plain_models_numbers(how):
+def test_compiled_model_gives_the_plain_models_numbers(how, size):
     # aot_eager: the AOTAutograd graph that hid the layers from autograd, without inductor's C++ compile time
-    plain = liven(make_model("jamba", seed=2))
+    plain = liven(make_model("jamba", seed=2, **size))
     ids, mask = padded_batch(8, pads=2)
     expected = mc.MambaAttribution(plain).attribute(ids, target=5, attention_mask=mask)
     expected_maps = mc.implicit_attention(plain, ids, mask)
-    model = liven(make_model("jamba", seed=2))
+    model = liven(make_model("jamba", seed=2, **size))
     if how == "wrapper":
         compiled = torch.compile(model, backend="aot_eager")
     else:

@@ -531,7 +531,7 @@ def test_preprocess_follows_torchvisions_resize_and_centre_crop(tmp_path):
 # -- property-based: random Vim configs (the property suite's profiles, tests/test_properties.py) -------------------
 from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_properties import PROFILE  # noqa: E402
+from test_properties import PROFILE, heavy_twin  # noqa: E402
 
 
 @st.composite
@@ -579,3 +579,6 @@ def test_random_vims_satisfy_the_identities(data):
     alone = mc.implicit_attention(model, x[-1:], formulation=formulation, reduce=None)
     for layer in full:
         assert relative_error(full[layer][-1:], alone[layer]) <= tolerance
+
+
+test_random_vims_satisfy_the_identities_with_more_examples = heavy_twin(test_random_vims_satisfy_the_identities)
