@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -31,19 +30,11 @@ import mamba_captum as mc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny_models  # noqa: E402
+from bench_linear_families import best_of  # noqa: E402 (this folder is on sys.path when a script of it runs)
 
 BASE_MODEL_ONLY = ("glm5_next",)  # no logits to explain without a forward_func of the user's
 FAMILIES = [*tiny_models.CONFIGS, *tiny_models.RECURRENT_CONFIGS, *tiny_models.LINEAR_CONFIGS,
             *tiny_models.ZAMBA_CONFIGS]
-
-
-def best_of(repeats: int, fn) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def last_logits(model, ids, **kwargs):
