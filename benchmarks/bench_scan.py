@@ -35,6 +35,7 @@ import mamba_captum as mc
 from mamba_captum.kernels.rglru_scan import rglru_scan_chunked
 from mamba_captum.kernels.selective_scan import selective_scan_chunked
 from mamba_captum.kernels.wkv_scan import wkv_scan_chunked
+from bench_linear_families import best_of  # (this folder is on sys.path when a script of it runs)
 
 RECURRENT_MODELS = {
     "rwkv": lambda: tf.RwkvForCausalLM(tf.RwkvConfig(vocab_size=50277, hidden_size=768, num_hidden_layers=12,
@@ -71,12 +72,7 @@ def model_time(model, ids, fast):
 
 def fastest(fn, repeats):
     """The shortest of ``repeats`` timings of ``fn()``, in seconds."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_of(repeats, fn)
 
 
 def one_recurrent_layer(family, length, fast):
