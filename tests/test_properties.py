@@ -28,6 +28,7 @@ Profiles (hypothesis settings), chosen with the environment variable ``MAMBA_CAP
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import os
 
@@ -97,6 +98,10 @@ SSM_MIXERS = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "Mamba2Mixer"
 #   inputs that already differ by rounding (batched GEMMs, float32 scans with other chunk boundaries; drift ~1e-7,
 #   in float64 models too, through transformers' float32 pieces): the maps' relative sensitivity to their input
 #   (cancellation in C·B, norms, softmax) amplified that up to ~300× in these random models; 1e4 leaves a margin.
+#   Inside a layer the two passes' GEMMs differ too (batch 2 and batch 1 take other BLAS paths), and a float32 map
+#   that is a near-cancelling sum (D + C·B·Δ ≈ 0) can sit 2e-5 from the float64 truth in both passes (measured:
+#   Mamba-1, one token, maps ~1e-6). Where the strict bound fails for a float32 model, each map's measured
+#   float32 rounding floor (the one-example maps against the float64 copy of the model) is added, twice.
 REFERENCE_TOL = {torch.float32: 3e-5, torch.float64: 3e-5}
 BATCHED_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 INPUT_DRIFT_GROWTH = 1e4
@@ -686,11 +691,19 @@ def test_batched_maps_equal_one_example_at_a_time(family, data):
         drift = [relative_error(batched_input[b, real], alone_input[0])
                  for batched_input, alone_input in zip(batched_inputs, alone_inputs)]
         assert alone.keys() == batched.keys()
+        alone_in_float64 = None  # computed only where a float32 map misses the strict bound
         for key in alone:
             example = batched[key][b]
             example = example[:, real][:, :, real] if reduce is None else example[real][:, real]
             tolerance = BATCHED_TOL[dtype] + INPUT_DRIFT_GROWTH * drift[layer_of(key)]
-            assert relative_error(example, alone[key][0]) <= tolerance, (family, key, b, drift)
+            error = relative_error(example, alone[key][0])
+            if error > tolerance and dtype == torch.float32:
+                if alone_in_float64 is None:
+                    alone_in_float64 = mc.implicit_attention(
+                        copy.deepcopy(model).double(), ids[b:b + 1, real], torch.ones_like(ids[b:b + 1, real]),
+                        formulation=formulation, reduce=reduce, **alone_kwargs)
+                tolerance += 2 * relative_error(alone[key][0], alone_in_float64[key][0])
+            assert error <= tolerance, (family, key, b, drift, error)
     if family in RECURRENT and ids.shape[1] > 1:  # their mixers ignore attention_mask: left padding is refused
         with pytest.raises(ValueError, match="ignores attention_mask"):
             mc.implicit_attention(model, ids, left_padded(mask), **kwargs)
