@@ -490,6 +490,31 @@ def test_half_precision_maps_reproduce_the_real_layer_within_the_guarantee(famil
         assert expected.abs().max() > 1e-2  # not vacuous
 
 
+def test_float16_gradients_are_loss_scaled_and_backed_off_on_overflow():
+    from mamba_captum.attr._explain import FLOAT16_GRAD_SCALE, scaled_grad
+
+    x = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    (tiny,) = scaled_grad((x * 1e-9).sum(), [x], retain_graph=False)  # 1e-9 flushes to 0 in float16
+    assert torch.autograd.grad((x * 1e-9).sum(), x)[0].eq(0).all()
+    assert tiny.dtype == torch.float32 and relative_error(tiny, torch.full((3,), 1e-9)) < 1e-3
+    (large,) = scaled_grad((x * 1000).sum(), [x], retain_graph=False)  # 1000 · 2^16 overflows: scale backs off
+    assert large.dtype == torch.float32 and torch.equal(large, torch.full((3,), 1000.0))
+    y = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)  # float32's range: no scaling, dtype kept
+    assert scaled_grad((y * 3).sum(), [y], retain_graph=False)[0].dtype == torch.bfloat16
+    assert FLOAT16_GRAD_SCALE == 2.0 ** 16
+
+
+def test_float16_attribution_keeps_the_rows_whose_gradients_are_below_float16s_range():
+    # tiny Bamba, seed 0: the attention layer's early rows get gradients 3e-12 .. 6e-8, which float16 flushes to
+    # zero; unscaled, those rows became identity rows and the relevance sat 0.097 from the float32 copy's
+    model = make_model("bamba", dtype=torch.float16)
+    torch.manual_seed(0)
+    ids = torch.randint(3, VOCAB, (2, 12))
+    got = mc.MambaAttribution(model).attribute(ids, target=5)
+    expected = mc.MambaAttribution(copy.deepcopy(model).float()).attribute(ids, target=5)
+    assert relative_error(got, expected) < 5e-3  # the logits themselves differ by 7e-4
+
+
 # -- adapters that wrap the projections (PEFT's LoRA, unmerged) -------------------------------------------------------
 @pytest.mark.parametrize("family,targets", [
     ("jamba", ["in_proj", "x_proj", "out_proj", "q_proj", "v_proj"]), ("bamba", ["in_proj", "out_proj"]),
