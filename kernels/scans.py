@@ -2,13 +2,16 @@
 
 Written to be evidently right first and reasonably fast second: the Mamba-1 scan precomputes every decay and
 input in one vectorised pass and leaves only a fused multiply-add per token in the Python loop; the Mamba-2 scan is
-the chunked SSD algorithm (exact; chunk-local cumulative sums, every exponent ≤ 0). The fast, differentiable scans
-belong to the kernels issue and will sit beside these.
+the chunked SSD algorithm (exact; chunk-local cumulative sums, every exponent ≤ 0); the decay recurrence without
+query / key terms (RG-LRU's) runs as a chunked scan. The differentiable scans that stand in for HF's own live in
+``selective_scan``, ``wkv_scan`` and ``rglru_scan``.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .rglru_scan.chunked import rglru_scan_chunked
 
 SELECTIVE_TOKENS_PER_BLOCK = 32  # cache-sized; bounds the (B, T, D, N) decay / input / state tensors of one block
 SSD_CHUNK = 64
@@ -112,3 +115,27 @@ def decay_scan_reference(x, log_decay, log_q=None, log_k=None, log_diag=None, ro
         state = keep * state + torch.exp(log_k[:, t] - running_new) * value[:, t]
         running = running_new
     return out if row_weight is None else out * f64(row_weight)
+
+
+def reset_decay_scan(x, log_decay, col_weight=None, segments=None):
+    """:func:`decay_scan_reference` without query / key / diagonal terms, as a chunked scan: float64, differentiable.
+
+    h_i = exp(−log_decay_i) · h_{i−1} + col_i x_i, with h reset at each change of ``segments`` (RG-LRU's
+    recurrence). The per-token loop above costs L Python steps of a few ops each; this runs the two-level blocked
+    scan of :mod:`mamba_captum.kernels.rglru_scan` (O(√L) steps, the same products reassociated: equal to the loop
+    to float64 rounding).
+
+    Args:
+        x, log_decay: (B, L, C); log_decay ≥ 0 keeps every product ≤ 1.  col_weight: (B, L, C) or None.
+        segments: (B, L) integer segment ids or None.
+    Returns:
+        (B, L, C) float64.
+    """
+    x, decay = x.to(torch.float64), torch.exp(-log_decay.to(torch.float64))
+    if col_weight is not None:
+        x = x * col_weight.to(torch.float64)
+    if segments is not None:
+        starts = torch.ones_like(segments, dtype=torch.bool)
+        starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+        decay = decay.masked_fill(starts[..., None], 0.0)
+    return rglru_scan_chunked(x, decay)[0]

@@ -8,7 +8,7 @@ from conftest import relative_error
 
 from mamba_captum.kernels.decay import decay_maps, decay_maps_blocked, decay_maps_naive
 from mamba_captum.kernels.decay.blocked import TILE
-from mamba_captum.kernels.scans import decay_scan_reference
+from mamba_captum.kernels.scans import decay_scan_reference, reset_decay_scan
 
 
 def test_hand_computed_case():
@@ -82,6 +82,22 @@ def test_scan_reference_applies_the_maps():
     scanned = decay_scan_reference(x, inputs["log_decay"], inputs["log_q"], inputs["log_k"], inputs["log_diag"],
                                    inputs["row_weight"], inputs["col_weight"], inputs["segments"])
     assert relative_error(scanned, expected) < 1e-12
+
+
+@pytest.mark.parametrize("length", [1, 31, 32, 100])  # the chunked scan's chunk is 32 tokens
+def test_reset_decay_scan_is_the_token_loop_without_query_and_key_terms(length):
+    inputs = random_inputs(2, length, 3, seed=2)
+    x = torch.randn(2, length, 3, dtype=torch.float64, requires_grad=True)
+    loop = decay_scan_reference(x, inputs["log_decay"], col_weight=inputs["col_weight"],
+                                segments=inputs["segments"])
+    chunked = reset_decay_scan(x, inputs["log_decay"], inputs["col_weight"], inputs["segments"])
+    assert chunked.dtype == torch.float64 and relative_error(chunked, loop) < 1e-13
+    assert relative_error(reset_decay_scan(x.float(), inputs["log_decay"]), decay_scan_reference(
+        x, inputs["log_decay"])) < 1e-6  # float32 inputs are scanned in float64
+    weights = torch.randn_like(loop)
+    (expected,) = torch.autograd.grad((loop * weights).sum(), x)
+    (got,) = torch.autograd.grad((chunked * weights).sum(), x)
+    assert relative_error(got, expected) < 1e-13
 
 
 def test_bad_inputs_are_clear_errors():

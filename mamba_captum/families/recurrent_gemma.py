@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..kernels.scans import decay_scan_reference
+from ..kernels.scans import reset_decay_scan
 from ..operators import DecayOperator
 from ..rules import half_product, identity_rule
 from .unhooked import linear_readout, run
@@ -81,7 +81,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     common = dict(log_decay=log_decay, log_q=None, log_k=None, log_diag=None, segments=segments,
                   mask=None if call.attention_mask is None else w(call.attention_mask), s6="s6" in components)
 
-    scan = decay_scan_reference(w(conv_out), log_decay, col_weight=col, segments=segments)  # RG-LRU output
+    scan = reset_decay_scan(w(conv_out), log_decay, col_weight=col, segments=segments)  # RG-LRU output
     rebuilt = run(block.linear_out, (scan * gate).to(hidden.dtype))
     linear_out = linear_readout(block.linear_out)
     gate64 = gate.double()
@@ -91,7 +91,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         return operator, rebuilt
     # unified: over x; the conv bias' share y · α b comes from no token and is added back by the readout
     conv_bias = torch.zeros_like(col) if conv.bias is None else w(conv.bias).expand_as(col)
-    bias_share = decay_scan_reference(conv_bias, log_decay, col_weight=col, segments=segments) * gate64
+    bias_share = reset_decay_scan(conv_bias, log_decay, col_weight=col, segments=segments) * gate64
     operator = DecayOperator(
         **common,
         row_weight=gate if "gate" in components else None,
@@ -138,5 +138,5 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
         reset = (position_ids.to(hidden.device) == 0).expand(batch, length)[..., None]
         multiplier = torch.where(reset, torch.ones_like(log_a), torch.sqrt(1 - torch.exp(2 * log_a)))
         segments = segments_from_positions(position_ids.to(hidden.device), batch, length)
-    scan = decay_scan_reference(conv_out, -log_a, col_weight=multiplier * input_gate, segments=segments)
+    scan = reset_decay_scan(conv_out, -log_a, col_weight=multiplier * input_gate, segments=segments)
     return linear_readout(block.linear_out)(half_product(scan, y_branch))
