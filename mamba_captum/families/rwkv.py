@@ -21,7 +21,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..kernels.scans import decay_scan_reference
+from ..kernels.wkv_scan import wkv_scan_chunked
 from ..operators import DecayOperator
 from ..rules import sigmoid_gate
 from .unhooked import linear_readout, run
@@ -71,7 +71,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     log_z = log_normaliser(k, decay, first)
     log_decay = decay.expand_as(k)
     log_q, log_k, log_diag = -log_z, k + decay, first + k - log_z
-    wkv = decay_scan_reference(v, log_decay, log_q, log_k, log_diag)
+    wkv = wkv_scan_chunked(w(mixer.time_decay).double(), first.double(), k.double(), v.double())[0]
     rebuilt = run(mixer.output, (r * wkv).to(hidden.dtype))
 
     mask = None if call.attention_mask is None else w(call.attention_mask)
@@ -168,8 +168,5 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     receptance = run(mixer.receptance, mix(mixer.time_mix_receptance)).double()
     with torch.no_grad():
         k = run(mixer.key, mix(mixer.time_mix_key)).double()
-        decay = torch.exp(mixer.time_decay.double())
-        log_z = log_normaliser(k, decay, mixer.time_first)
-        log_q, log_k, log_diag = -log_z, k + decay, mixer.time_first.double() + k - log_z
-    wkv = decay_scan_reference(value, decay.expand_as(k), log_q, log_k, log_diag)
+    wkv = wkv_scan_chunked(mixer.time_decay.double(), mixer.time_first.double(), k, value)[0]  # linear in value
     return linear_readout(mixer.output)(sigmoid_gate(receptance, wkv))
