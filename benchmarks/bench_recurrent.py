@@ -2,7 +2,8 @@
 
 RWKV "430m": the RWKV-4-Pile-430M shape (hidden 1024, 24 layers, vocab 50277), random weights, fp32, batch 1.
 Griffin "small": a RecurrentGemma of hidden 1024, 12 layers (recurrent, recurrent, attention), random weights.
-One process, one model load, each measurement once after a warm-up forward (the machine is noisy: ±30 %).
+One process, one model load, each measurement once after a warm-up forward (the machine is noisy: ±30 %). The last
+column divides each step by one forward + backward run through the library's fast scans (``mc.fast_scans``).
 
 Run:  python benchmarks/bench_recurrent.py [--models rwkv430m griffin] [--length 512]
 """
@@ -41,8 +42,8 @@ def main():
     tf.logging.set_verbosity_error()
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, L = {args.length}, batch 1, fp32")
-    print("| model | params | step | seconds |")
-    print("|---|---|---|---|")
+    print("| model | params | step | seconds | / fast fwd + bwd |")
+    print("|---|---|---|---|---|")
     for name in args.models:
         torch.manual_seed(0)
         model = MODELS[name]().eval()
@@ -54,6 +55,12 @@ def main():
             timed("HF forward (no grad)", lambda: model(ids, use_cache=False), rows)
         timed("HF forward + backward of one logit",
               lambda: model(ids, use_cache=False).logits[0, -1, 7].backward(), rows)
+
+        def fast_forward_backward():
+            with mc.fast_scans(model):
+                model(ids, use_cache=False).logits[0, -1, 7].backward()
+
+        timed("forward + backward of one logit, mc.fast_scans", fast_forward_backward, rows)
         model.zero_grad(set_to_none=True)
         timed("implicit_attention (all layers, mean maps)", lambda: mc.implicit_attention(model, ids), rows)
         timed("MambaRawAttention", lambda: mc.MambaRawAttention(model).attribute(ids), rows)
@@ -65,8 +72,9 @@ def main():
               rows)
         timed(f"{label} (official recipe)", lambda: attribution(model).attribute(ids, target=7, recipe="official"),
               rows)
+        fast = dict(rows)["forward + backward of one logit, mc.fast_scans"]
         for label, seconds in rows:
-            print(f"| {name} | {params / 1e6:.0f}M | {label} | {seconds:.1f} |", flush=True)
+            print(f"| {name} | {params / 1e6:.0f}M | {label} | {seconds:.1f} | {seconds / fast:.2f}× |", flush=True)
 
 
 if __name__ == "__main__":
