@@ -46,7 +46,8 @@ def ssd_scan_reference(x, delta, A, B, C, chunk: int = SSD_CHUNK):
 
     h_t = exp(delta_t A_h) h_{t-1} + delta_t x_t B_tᵀ,  y_t = h_t C_t  (per head h; head h reads group h // (H/G)).
     Inside a chunk, y = (C Bᵀ ∘ exp(A (S_i - S_j)) Δ_j) x; across chunks the state is passed on, decayed by
-    exp(A · Σ Δ over the chunk). S is a chunk-local cumulative sum, so every exponent is ≤ 0.
+    exp(A · Σ Δ over the chunk). S is a chunk-local cumulative sum, so every exponent is ≤ 0. C Bᵀ is formed once
+    per group and shared by its H/G heads (Mamba-2 130m: 24 heads, one group), every product is a batched matmul.
 
     Args:
         x: (B, L, H, P).  delta: (B, L, H).  A: (H,).  B, C: (B, L, G, N).
@@ -54,28 +55,31 @@ def ssd_scan_reference(x, delta, A, B, C, chunk: int = SSD_CHUNK):
         y: (B, L, H, P), in the dtype of ``x``.
     """
     batch, length, heads, head_dim = x.shape
-    groups = B.shape[2]
+    groups, state = B.shape[2], B.shape[3]
+    per_group = heads // groups
     pad = (-length) % chunk
     fold = lambda t: F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)).unflatten(1, (-1, chunk))  # (B, nc, T, ...)
-    x, delta = fold(x), fold(delta)
-    B = fold(B).repeat_interleave(heads // groups, dim=3)  # (B, nc, T, H, N)
-    C = fold(C).repeat_interleave(heads // groups, dim=3)
-    cum = torch.cumsum(delta * A, dim=2)  # (B, nc, T, H), chunk-local, decreasing
+    # heads as (G, H/G) and tokens last but one: (B, nc, G, H/G, T, ...) for x and Δ, (B, nc, G, 1, T, N) for B, C
+    x = fold(x).unflatten(3, (groups, per_group)).permute(0, 1, 3, 4, 2, 5)
+    delta = fold(delta).unflatten(3, (groups, per_group)).permute(0, 1, 3, 4, 2)
+    B = fold(B).permute(0, 1, 3, 2, 4)[:, :, :, None]
+    C = fold(C).permute(0, 1, 3, 2, 4)[:, :, :, None]
+    cum = torch.cumsum(delta * A.view(groups, per_group, 1), dim=-1)  # (B, nc, G, H/G, T), chunk-local, decreasing
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    log_decay = (cum[:, :, :, None, :] - cum[:, :, None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
-    scores = torch.einsum("bcihn,bcjhn->bcijh", C, B) * log_decay.exp() * delta[:, :, None, :, :]
-    y = torch.einsum("bcijh,bcjhp->bcihp", scores, x)
+    log_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf"))
+    scores = (C @ B.mT) * log_decay.exp() * delta[..., None, :]  # (B, nc, G, H/G, T, T)
+    y = scores @ x
 
     # State at the end of each chunk from its own tokens, then passed through the chunks.
-    to_end = torch.exp(cum[:, :, -1:, :] - cum)  # (B, nc, T, H)
-    chunk_states = torch.einsum("bcjh,bcjhn,bcjhp->bchpn", to_end * delta, B, x)
-    state = x.new_zeros(batch, heads, head_dim, B.shape[-1])
+    to_end = torch.exp(cum[..., -1:] - cum)  # (B, nc, G, H/G, T)
+    chunk_states = ((to_end * delta)[..., None] * x).mT @ B  # (B, nc, G, H/G, P, N)
+    running = x.new_zeros(batch, groups, per_group, head_dim, state)
     incoming = torch.empty_like(chunk_states)
     for c in range(chunk_states.shape[1]):
-        incoming[:, c] = state
-        state = torch.exp(cum[:, c, -1])[:, :, None, None] * state + chunk_states[:, c]
-    y = y + torch.einsum("bcihn,bchpn,bcih->bcihp", C, incoming, cum.exp())
-    return y.flatten(1, 2)[:, :length]
+        incoming[:, c] = running
+        running = torch.exp(cum[:, c, ..., -1])[..., None, None] * running + chunk_states[:, c]
+    y = y + (C @ incoming.mT) * cum.exp()[..., None]
+    return y.permute(0, 1, 4, 2, 3, 5).reshape(batch, -1, heads, head_dim)[:, :length]
 
 
 def decay_scan_reference(x, log_decay, log_q=None, log_k=None, log_diag=None, row_weight=None, col_weight=None,
