@@ -50,7 +50,7 @@ from .naive import validate_inputs
 
 LEAF = 8  # tokens per leaf (per-channel scan inside); raised to K − 1 when the conv is longer
 _WORKING_ELEMENTS = 1 << 20  # elements of one (B, L, chunk·N) working tensor (L = 1024, N = 16: 64 channels)
-_CHANNEL_BLOCK_ELEMENTS = 1 << 24  # per-channel accumulator (B, chunk, L, L + leaf) of reduce=None / "abs_mean"
+_CHANNEL_BLOCK_ELEMENTS = 1 << 22  # per-channel accumulator (B, chunk, L, L + leaf) of reduce=None / "abs_mean"
 _ROWS_PER_BLOCK = 16  # query rows per block of the direct rows path
 # The direct rows path costs ~ Σ_blocks rows × columns; above this many full-length rows the full map is cheaper
 # (measured on CPU; reduce=None always takes the rows path: its full map would be (B, D, L, L)).
@@ -458,9 +458,10 @@ class _Blocked:
             out = self.delta.new_zeros(self.batch, length, length)
         # Channel blocks sized by the per-channel accumulator (B, chunk, L, L + leaf).
         chunk = max(1, min(self.channels, _CHANNEL_BLOCK_ELEMENTS // (self.batch * self.padded * self.buf_width)))
+        block = self.delta.new_empty(self.batch, chunk, self.padded, self.buf_width)  # reused: stays in cache
         for c0 in range(0, self.channels, chunk):
             c1 = min(self.channels, c0 + chunk)
-            buf = self.delta.new_zeros(self.batch, c1 - c0, self.padded, self.buf_width)
+            buf = block[:, :c1 - c0].zero_()
             queries, keys, leaf_maps = self._chunk_operands(c0, c1, ws)
             leaf_maps = self._folded_leaf_maps(leaf_maps, c0, c1).permute(0, 4, 1, 2, 3)  # (B, c, nl, leaf, leaf+K−1)
             _block_view(buf, 0, 0, self.n_leaves, leaf, leaf, leaf_maps.shape[-1]).copy_(leaf_maps)
@@ -474,7 +475,7 @@ class _Blocked:
             if reduce is None:
                 out[:, c0:c1] = self._crop(buf)
             else:
-                out += self._crop(buf).abs().sum(1)
+                out += self._crop(buf.abs_()).sum(1)
         if reduce == "abs_mean":
             out /= self.channels
         return out
