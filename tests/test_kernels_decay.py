@@ -58,6 +58,16 @@ def test_blocked_equals_naive(length, reduce, options):
     assert relative_error(decay_maps(inputs["log_decay"], reduce=reduce, rows=rows, **kwargs), expected) < 1e-12
 
 
+@pytest.mark.parametrize("rows", [None, [0, 7, 40]])
+def test_abs_mean_without_conv_takes_absolute_weights_on_the_mean_path(rows):
+    inputs = random_inputs(2, 45, 4, seed=3)
+    inputs.pop("conv_weight")
+    inputs["col_weight"] = inputs["col_weight"] - 0.5  # signed rows and columns: |row α col| = |row| α |col|
+    expected = decay_maps_naive(**inputs, reduce="abs_mean", rows=rows)
+    assert relative_error(decay_maps_blocked(**inputs, reduce="abs_mean", rows=rows), expected) < 1e-12
+    assert (expected > 0).any() and (expected >= 0).all()
+
+
 def test_many_rows_take_the_full_map_and_agree():
     inputs = random_inputs(1, 90, 3)
     rows = list(range(0, 90, 2))

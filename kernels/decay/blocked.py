@@ -10,7 +10,9 @@ sequences of any length neither overflow nor lose precision to differences of la
 The channel-reduced map of the rows below a tile is then one GEMM over the channel axis (queries × keys); only the
 diagonal tiles are formed per channel, by the direct formula. The conv (when given) is applied tap by tap: tap τ
 is a channel-weighted map shifted τ columns left, K GEMM passes in all, never a (C, L, L) stack. ``reduce=None``
-and ``"abs_mean"`` (which cannot be factorised over channels) use the direct formula on channel chunks.
+and ``"abs_mean"`` (which cannot be factorised over channels) use the direct formula on channel chunks, except
+``"abs_mean"`` without a conv: α ≥ 0 everywhere, so ``|row α col| = |row| α |col|`` and it is the mean path of the
+absolute weights (RWKV-430m's width, L = 1024: 0.7 s instead of 20 s).
 
 All arithmetic is float64; results are returned in ``out_dtype`` (default: log_decay's dtype).
 """
@@ -71,6 +73,10 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
                      f64(row_weight), segments)
     col = f64(col_weight)
     length = log_decay.shape[1]
+    if reduce == "abs_mean" and conv_weight is None:
+        # every α entry is an exponential (≥ 0), so |row α col| = |row| α |col|: the mean path with |weights|
+        inputs.row = None if inputs.row is None else inputs.row.abs()
+        col, reduce = None if col is None else col.abs(), "mean"
     if reduce in ("mean", "sum"):
         taps = [(0, None)] if conv_weight is None else [
             (tau, f64(conv_weight[:, conv_weight.shape[1] - 1 - tau])) for tau in range(min(conv_weight.shape[1],
