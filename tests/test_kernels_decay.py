@@ -68,6 +68,24 @@ def test_abs_mean_without_conv_takes_absolute_weights_on_the_mean_path(rows):
     assert (expected > 0).any() and (expected >= 0).all()
 
 
+@pytest.mark.parametrize("length", [1, 3, TILE, TILE + 2, 3 * TILE + 5])
+@pytest.mark.parametrize("options", [("conv_weight",), ("conv_weight", "row_weight", "col_weight", "log_q", "log_k",
+                                                          "log_diag", "one_segment")])
+@pytest.mark.parametrize("reduce", ["abs_mean", "mean", "sum"])
+def test_a_conv_without_resets_is_rank_one_below_the_band(length, options, reduce):
+    inputs = random_inputs(2, length, 5, seed=4)
+    inputs["col_weight"] = inputs["col_weight"] - 0.5  # signed
+    kwargs = {name: inputs[name] for name in options if name != "one_segment"}
+    if "one_segment" in options:  # a segment id that never changes: no reset, the fast path
+        kwargs["segments"] = torch.full((2, length), 3)
+    expected = decay_maps_naive(**kwargs, log_decay=inputs["log_decay"], reduce=reduce)
+    got = decay_maps_blocked(**kwargs, log_decay=inputs["log_decay"], reduce=reduce)
+    assert relative_error(got, expected) < 1e-12
+    rows = list(range(0, length, 2)) * 10  # more rows than _FULL_MAP_ROWS: the full map, indexed
+    assert relative_error(decay_maps_blocked(**kwargs, log_decay=inputs["log_decay"], reduce=reduce, rows=rows),
+                          expected[:, rows]) < 1e-12
+
+
 def test_many_rows_take_the_full_map_and_agree():
     inputs = random_inputs(1, 90, 3)
     rows = list(range(0, 90, 2))

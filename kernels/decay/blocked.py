@@ -12,7 +12,10 @@ diagonal tiles are formed per channel, by the direct formula. The conv (when giv
 is a channel-weighted map shifted τ columns left, K GEMM passes in all, never a (C, L, L) stack. ``reduce=None``
 and ``"abs_mean"`` (which cannot be factorised over channels) use the direct formula on channel chunks, except
 ``"abs_mean"`` without a conv: α ≥ 0 everywhere, so ``|row α col| = |row| α |col|`` and it is the mean path of the
-absolute weights (RWKV-430m's width, L = 1024: 0.7 s instead of 20 s).
+absolute weights (RWKV-430m's width, L = 1024: 0.2 s instead of 20 s). With a conv (Griffin) and no reset, each
+channel's conv'd map is rank one below a band of K − 1 + TILE rows per column tile, so ``"abs_mean"`` is one GEMM
+of |queries| and |conv'd keys| there and the direct formula on the band (:func:`_conv_maps`); ``"mean"`` / ``"sum"``
+take the same path (one GEMM per tile instead of one per conv tap). With resets the tap-by-tap paths remain.
 
 All arithmetic is float64; results are returned in ``out_dtype`` (default: log_decay's dtype).
 """
@@ -77,6 +80,11 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
         # every α entry is an exponential (≥ 0), so |row α col| = |row| α |col|: the mean path with |weights|
         inputs.row = None if inputs.row is None else inputs.row.abs()
         col, reduce = None if col is None else col.abs(), "mean"
+    if reduce is not None and conv_weight is not None and _one_segment(segments) and (
+            rows is None or rows.numel() > _FULL_MAP_ROWS):
+        out = _conv_maps(inputs, col, f64(conv_weight), absolute=reduce == "abs_mean")
+        out = out if reduce == "sum" else out / log_decay.shape[-1]
+        return (out if rows is None else out[:, rows]).to(out_dtype)
     if reduce in ("mean", "sum"):
         taps = [(0, None)] if conv_weight is None else [
             (tau, f64(conv_weight[:, conv_weight.shape[1] - 1 - tau])) for tau in range(min(conv_weight.shape[1],
@@ -173,6 +181,55 @@ def reduced_alpha(inputs: _Inputs, col: Optional[Tensor], rows: Optional[Tensor]
     if inputs.segments is not None:
         out *= _segment_mask(inputs.segments, torch.arange(length, device=device))
     return out if rows is None else out[:, rows]
+
+
+def _one_segment(segments: Optional[Tensor]) -> bool:
+    """True when no reset splits any sequence (α has no segment mask)."""
+    return segments is None or bool((segments == segments[:, :1]).all())
+
+
+def _conv_maps(inputs: _Inputs, col: Optional[Tensor], conv_weight: Tensor, absolute: bool) -> Tensor:
+    """Σ_c H_c, or Σ_c |H_c| when ``absolute``, with the conv and no segment mask, (B, L, L), in tiles of columns.
+
+    For a tile of output columns s ∈ [j0, j1), the conv reads α columns s .. s + K − 1 ≤ j1 + K − 2 =: r. Every row
+    i > r lies after all of them, where ``(row α col)_c[i, t] = Q_c[i] · k_c[t]`` (no diagonal term), so
+    ``H_c[i, s] = Q_c[i] · κ_c[s]`` with the conv'd keys ``κ_c[s] = Σ_τ k_c[s + τ] w_c[K−1−τ]``: rank one per
+    channel: ``Σ_c H_c[i, s] = Σ_c Q_c[i] κ_c[s]`` and ``Σ_c |H_c[i, s]| = Σ_c |Q_c[i]| |κ_c[s]|`` are one GEMM each
+    (one, where the tap-by-tap reduced path takes K). The K − 1 + T rows from j0 to r (the band) come from the
+    direct formula per channel. Keys are taken relative to r and their largest exponent, queries
+    after it: every exponential is of a number ≤ 0, as in :func:`reduced_alpha`.
+    """
+    batch, length, channels = inputs.shape
+    taps = conv_weight.shape[1]
+    out = inputs.S.new_zeros(batch, length, length)
+    for j0 in range(0, length, TILE):
+        j1 = min(j0 + TILE, length)
+        band_end = min(length, j1 + taps - 1)
+        band_rows = torch.arange(j0, band_end, device=inputs.S.device)
+        chunk = _channel_chunk(batch, band_end - j0, band_end - j0, channels)
+        for c0 in range(0, channels, chunk):
+            c1 = min(channels, c0 + chunk)
+            alpha = direct_alpha(inputs, col, band_rows, c0, c1, j0, band_end).permute(0, 3, 1, 2)
+            conved = apply_conv_columns(alpha, conv_weight[c0:c1])  # columns ≥ j1 read past the band: dropped
+            conved = conved[..., :j1 - j0]
+            out[:, j0:band_end, j0:j1] += (conved.abs() if absolute else conved).sum(1)
+        if band_end == length:
+            continue
+        r = band_end - 1
+        key_exponent = inputs.log_k[:, j0:band_end] - (inputs.S[:, r:r + 1] - inputs.S[:, j0:band_end])
+        m = key_exponent.amax(1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        keys = (key_exponent - m).exp_()
+        if col is not None:
+            keys *= col[:, j0:band_end]
+        conved_keys = sum(keys[:, lag:lag + j1 - j0] * conv_weight[:, taps - 1 - lag] for lag in range(taps))
+        queries = (inputs.log_q[:, band_end:] - (inputs.S[:, band_end:] - inputs.S[:, r:r + 1]) + m).exp_()
+        if inputs.row is not None:
+            queries *= inputs.row[:, band_end:]
+        if absolute:
+            queries, conved_keys = queries.abs_(), conved_keys.abs()
+        out[:, band_end:, j0:j1] = torch.bmm(queries, conved_keys.transpose(1, 2))
+    return out
 
 
 def _channel_maps(inputs: _Inputs, col, conv_weight, rows, reduce) -> Tensor:
