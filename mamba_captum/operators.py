@@ -425,9 +425,15 @@ class DecayOperator:
         """Σ_c grad_c[i] · H_c[i, j] · values_c[j]: (B, L, L), or (B, R, L) with ``rows``. grad: (B, L, C)."""
         ones = torch.ones_like(self.log_decay)
         row = grad.to(torch.float64) * (ones if self.row_weight is None else self.row_weight)
-        col = ones if self.col_weight is None else self.col_weight
-        out = post_conv_columns(lambda r, c: self._sum_maps(r, c, None, rows, "sum"), row, col,
-                                 self.values.to(torch.float64), self.conv_weight, self.log_decay.shape[1])
+        values = self.values.to(torch.float64)
+        if self.s6:  # the kernel weights the conv'd columns by the values itself: one call, not one per conv tap
+            out = decay_maps(self.log_decay, self.log_q, self.log_k, log_diag=self.log_diag, row_weight=row,
+                             col_weight=self.col_weight, conv_weight=self.conv_weight, segments=self.segments,
+                             rows=rows, reduce="sum", out_dtype=torch.float64, value_weight=values)
+        else:
+            col = ones if self.col_weight is None else self.col_weight
+            out = post_conv_columns(lambda r, c: self._sum_maps(r, c, None, rows, "sum"), row, col, values,
+                                     self.conv_weight, self.log_decay.shape[1])
         return _mask_rows_cols(out, self.mask, rows).to(self.out_dtype)
 
 

@@ -86,6 +86,29 @@ def test_a_conv_without_resets_is_rank_one_below_the_band(length, options, reduc
                           expected[:, rows]) < 1e-12
 
 
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+@pytest.mark.parametrize("options", [(), ("conv_weight",), ("conv_weight", "segments"),
+                                     ("log_q", "log_k", "log_diag", "row_weight", "col_weight", "conv_weight")])
+@pytest.mark.parametrize("rows", [None, [3, 0, 40], list(range(45))])
+def test_value_weight_weighs_the_columns_after_the_conv(reduce, options, rows):
+    # the conv'd keys carry it without resets, the taps one by one with them, a column weight without a conv
+    inputs = random_inputs(2, 45, 4, seed=5)
+    kwargs = {name: inputs[name] for name in options}
+    value = torch.randn(2, 45, 4, dtype=torch.float64)
+    expected = decay_maps_naive(inputs["log_decay"], **kwargs, value_weight=value, reduce=reduce, rows=rows)
+    got = decay_maps(inputs["log_decay"], **kwargs, value_weight=value, reduce=reduce, rows=rows)
+    assert relative_error(got, expected) < 1e-12
+    assert relative_error(expected, decay_maps_naive(inputs["log_decay"], **kwargs, reduce=reduce, rows=rows)) > 0.1
+
+
+def test_value_weight_needs_a_channel_sum():
+    d = torch.rand(1, 4, 2)
+    with pytest.raises(ValueError, match="value_weight applies to reduce='mean' or 'sum'"):
+        decay_maps(d, value_weight=torch.rand(1, 4, 2), reduce="abs_mean")
+    with pytest.raises(ValueError, match="value_weight must be a floating"):
+        decay_maps(d, value_weight=torch.rand(1, 3, 2))
+
+
 def test_many_rows_take_the_full_map_and_agree():
     inputs = random_inputs(1, 90, 3)
     rows = list(range(0, 90, 2))

@@ -186,6 +186,13 @@ def test_dispatch_settings_and_restoration(monkeypatch):
     with kernel_settings(backend="triton"):
         via_dispatch = decay_maps(**inputs, out_dtype=torch.float32)
     assert relative_error(via_dispatch, decay_maps_naive(**inputs)) < TOLERANCE
+    # a value weight after the conv: the Triton kernel takes none, the dispatcher splits the conv into its taps
+    gate = torch.rand(1, LENGTH, 2, dtype=torch.float64) * 0.9 + 0.05
+    inputs = dict(log_decay=-gate.log(), col_weight=(1 - gate ** 2).sqrt(), row_weight=_randn(1, LENGTH, 2),
+                  conv_weight=_randn(2, 4), value_weight=_randn(1, LENGTH, 2))
+    with kernel_settings(backend="triton"):
+        via_dispatch = decay_maps(**_on_device(inputs), reduce="sum", out_dtype=torch.float32)
+    assert relative_error(via_dispatch.cpu(), decay_maps_naive(**inputs, reduce="sum")) < TOLERANCE
 
 
 # The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU. Two layers (a Mamba

@@ -21,6 +21,7 @@ import functools
 import torch
 
 from ..dispatch import precision, use_triton
+from ..taps import post_conv_columns
 from .blocked import decay_maps_blocked
 from .naive import decay_maps_naive
 from .triton import decay_maps_triton
@@ -29,18 +30,25 @@ __all__ = ["decay_maps", "decay_maps_blocked", "decay_maps_naive", "decay_maps_t
 
 
 def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=None, col_weight=None,
-               conv_weight=None, segments=None, rows=None, reduce="mean", out_dtype=None):
+               conv_weight=None, segments=None, rows=None, reduce="mean", out_dtype=None, value_weight=None):
     """Diagonal-decay maps with the best available kernel: Triton for CUDA float32 maps, else blocked torch.
 
     Args:
         log_decay: (B, L, C) ≥ 0.  log_q, log_k, log_diag, row_weight, col_weight: (B, L, C) or None.
         conv_weight: (C, K) or None.  segments: (B, L) integer ids or None.  rows: None or (R,).
         reduce: "mean" | "sum" | "abs_mean" | None.  out_dtype: default log_decay's dtype.
+        value_weight: (B, L, C) or None ("mean" / "sum"): a column weight after the conv, ``H_c · diag(value_c)``.
     Returns:
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``.
     """
-    kernel = decay_maps_blocked
-    if (out_dtype or log_decay.dtype) == torch.float32 and use_triton(log_decay, torch.float32):
-        kernel = functools.partial(decay_maps_triton, precision=precision())
-    return kernel(log_decay, log_q, log_k, log_diag=log_diag, row_weight=row_weight, col_weight=col_weight,
-                  conv_weight=conv_weight, segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype)
+    common = dict(log_diag=log_diag, segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype)
+    if not ((out_dtype or log_decay.dtype) == torch.float32 and use_triton(log_decay, torch.float32)):
+        return decay_maps_blocked(log_decay, log_q, log_k, row_weight=row_weight, col_weight=col_weight,
+                                  conv_weight=conv_weight, value_weight=value_weight, **common)
+    kernel = functools.partial(decay_maps_triton, log_decay, log_q, log_k, precision=precision(), **common)
+    if value_weight is None:
+        return kernel(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
+    ones = torch.ones_like(value_weight)  # the Triton kernel takes no value weight: the conv tap by tap
+    return post_conv_columns(lambda r, c: kernel(row_weight=r, col_weight=c), ones if row_weight is None else
+                             row_weight, ones if col_weight is None else col_weight, value_weight, conv_weight,
+                             log_decay.shape[1])

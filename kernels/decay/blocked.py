@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..selective.naive import apply_conv_columns
+from ..taps import post_conv_columns
 from .naive import validate_inputs
 
 TILE = 32  # columns per tile of the reduced maps (diagonal tiles cost L·TILE·C exponentials)
@@ -53,7 +54,8 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
                        log_diag: Optional[Tensor] = None, row_weight: Optional[Tensor] = None,
                        col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
                        segments: Optional[Tensor] = None, rows: Union[Tensor, Sequence[int], None] = None,
-                       reduce: Optional[str] = "mean", out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                       reduce: Optional[str] = "mean", out_dtype: Optional[torch.dtype] = None,
+                       value_weight: Optional[Tensor] = None) -> Tensor:
     """Channel maps of a diagonal-decay recurrence, exact, by tiled GEMMs (see the module docstring).
 
     Args:
@@ -62,11 +64,23 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
             None.  segments: (B, L) integer segment ids (α is 0 across segments) or None.  rows: None or (R,).
         reduce: "mean" | "sum" (tiled GEMMs) | "abs_mean" | None (direct formula on channel chunks).
         out_dtype: dtype of the result, default log_decay's.
+        value_weight: (B, L, C) or None ("mean" / "sum"): a column weight after the conv, ``H_c · diag(value_c)``
+            (the values of gradient × operator × input): folded into the conv'd keys without resets, else the conv
+            is split into its taps (:func:`kernels.taps.post_conv_columns`).
     Returns:
         (B, L, L) reduced or (B, C, L, L) per channel; R rows instead of L with ``rows``.
     """
     rows = validate_inputs(log_decay, log_q, log_k, log_diag, row_weight, col_weight, conv_weight, segments, rows,
-                           reduce)
+                           reduce, value_weight)
+    if value_weight is not None and reduce not in ("mean", "sum"):
+        raise ValueError(f"value_weight applies to reduce='mean' or 'sum', got reduce={reduce!r}")
+    if value_weight is not None and conv_weight is not None and not _conv_path(segments, rows, reduce):
+        ones = torch.ones_like(value_weight)
+        return post_conv_columns(
+            lambda r, c: decay_maps_blocked(log_decay, log_q, log_k, log_diag=log_diag, row_weight=r, col_weight=c,
+                                            segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype),
+            ones if row_weight is None else row_weight, ones if col_weight is None else col_weight, value_weight,
+            conv_weight, log_decay.shape[1])
     out_dtype = out_dtype or log_decay.dtype
     f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731
     zero = torch.zeros_like(log_decay, dtype=torch.float64)
@@ -75,14 +89,16 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
     inputs = _Inputs(f64(log_decay).cumsum(1), log_q, log_k, log_q + log_k if log_diag is None else f64(log_diag),
                      f64(row_weight), segments)
     col = f64(col_weight)
+    value = f64(value_weight)
+    if value is not None and conv_weight is None:  # no conv: a column weight like any other
+        col, value = (value if col is None else col * value), None
     length = log_decay.shape[1]
     if reduce == "abs_mean" and conv_weight is None:
         # every α entry is an exponential (≥ 0), so |row α col| = |row| α |col|: the mean path with |weights|
         inputs.row = None if inputs.row is None else inputs.row.abs()
         col, reduce = None if col is None else col.abs(), "mean"
-    if reduce is not None and conv_weight is not None and _one_segment(segments) and (
-            rows is None or rows.numel() > _FULL_MAP_ROWS):
-        out = _conv_maps(inputs, col, f64(conv_weight), absolute=reduce == "abs_mean")
+    if conv_weight is not None and _conv_path(segments, rows, reduce):
+        out = _conv_maps(inputs, col, f64(conv_weight), absolute=reduce == "abs_mean", value=value)
         out = out if reduce == "sum" else out / log_decay.shape[-1]
         return (out if rows is None else out[:, rows]).to(out_dtype)
     if reduce in ("mean", "sum"):
@@ -183,13 +199,17 @@ def reduced_alpha(inputs: _Inputs, col: Optional[Tensor], rows: Optional[Tensor]
     return out if rows is None else out[:, rows]
 
 
-def _one_segment(segments: Optional[Tensor]) -> bool:
-    """True when no reset splits any sequence (α has no segment mask)."""
-    return segments is None or bool((segments == segments[:, :1]).all())
+def _conv_path(segments: Optional[Tensor], rows: Optional[Tensor], reduce) -> bool:
+    """Whether :func:`_conv_maps` applies: a reduction, no reset splitting any sequence (α has no segment mask),
+    and the full map (not a few rows, which the direct formula gives cheaper)."""
+    return (reduce is not None and (segments is None or bool((segments == segments[:, :1]).all()))
+            and (rows is None or rows.numel() > _FULL_MAP_ROWS))
 
 
-def _conv_maps(inputs: _Inputs, col: Optional[Tensor], conv_weight: Tensor, absolute: bool) -> Tensor:
-    """Σ_c H_c, or Σ_c |H_c| when ``absolute``, with the conv and no segment mask, (B, L, L), in tiles of columns.
+def _conv_maps(inputs: _Inputs, col: Optional[Tensor], conv_weight: Tensor, absolute: bool,
+               value: Optional[Tensor] = None) -> Tensor:
+    """Σ_c H_c, or Σ_c |H_c| when ``absolute``, with the conv and no segment mask, (B, L, L), in tiles of columns;
+    ``value`` (B, L, C) weighs the columns after the conv (it multiplies the conv'd keys and the band's columns).
 
     For a tile of output columns s ∈ [j0, j1), the conv reads α columns s .. s + K − 1 ≤ j1 + K − 2 =: r. Every row
     i > r lies after all of them, where ``(row α col)_c[i, t] = Q_c[i] · k_c[t]`` (no diagonal term), so
@@ -212,6 +232,8 @@ def _conv_maps(inputs: _Inputs, col: Optional[Tensor], conv_weight: Tensor, abso
             alpha = direct_alpha(inputs, col, band_rows, c0, c1, j0, band_end).permute(0, 3, 1, 2)
             conved = apply_conv_columns(alpha, conv_weight[c0:c1])  # columns ≥ j1 read past the band: dropped
             conved = conved[..., :j1 - j0]
+            if value is not None:
+                conved = conved * value[:, None, j0:j1, c0:c1].permute(0, 3, 1, 2)
             out[:, j0:band_end, j0:j1] += (conved.abs() if absolute else conved).sum(1)
         if band_end == length:
             continue
@@ -223,6 +245,8 @@ def _conv_maps(inputs: _Inputs, col: Optional[Tensor], conv_weight: Tensor, abso
         if col is not None:
             keys *= col[:, j0:band_end]
         conved_keys = sum(keys[:, lag:lag + j1 - j0] * conv_weight[:, taps - 1 - lag] for lag in range(taps))
+        if value is not None:
+            conved_keys = conved_keys * value[:, j0:j1]
         queries = (inputs.log_q[:, band_end:] - (inputs.S[:, band_end:] - inputs.S[:, r:r + 1]) + m).exp_()
         if inputs.row is not None:
             queries *= inputs.row[:, band_end:]

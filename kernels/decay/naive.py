@@ -24,7 +24,8 @@ from ..reductions import REDUCTIONS, reduce_channels
 def validate_inputs(log_decay: Tensor, log_q: Optional[Tensor], log_k: Optional[Tensor],
                     log_diag: Optional[Tensor], row_weight: Optional[Tensor], col_weight: Optional[Tensor],
                     conv_weight: Optional[Tensor], segments: Optional[Tensor],
-                    rows: Union[Tensor, Sequence[int], None], reduce) -> Optional[Tensor]:
+                    rows: Union[Tensor, Sequence[int], None], reduce,
+                    value_weight: Optional[Tensor] = None) -> Optional[Tensor]:
     """Check shapes and ``reduce``; return ``rows`` as a 1-D int64 tensor (or None).
 
     Raises:
@@ -37,7 +38,7 @@ def validate_inputs(log_decay: Tensor, log_q: Optional[Tensor], log_k: Optional[
                          f"{tuple(log_decay.shape)}")
     batch, length, channels = log_decay.shape
     for name, t in (("log_q", log_q), ("log_k", log_k), ("log_diag", log_diag), ("row_weight", row_weight),
-                    ("col_weight", col_weight)):
+                    ("col_weight", col_weight), ("value_weight", value_weight)):
         if t is not None and (t.shape != log_decay.shape or not t.is_floating_point()):
             raise ValueError(f"{name} must be a floating (B, L, C) = {tuple(log_decay.shape)} tensor, got "
                              f"{t.dtype} {tuple(t.shape)}")
@@ -62,7 +63,8 @@ def decay_maps_naive(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k: O
                      log_diag: Optional[Tensor] = None, row_weight: Optional[Tensor] = None,
                      col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,
                      segments: Optional[Tensor] = None, rows: Union[Tensor, Sequence[int], None] = None,
-                     reduce: Optional[str] = "mean", out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                     reduce: Optional[str] = "mean", out_dtype: Optional[torch.dtype] = None,
+                     value_weight: Optional[Tensor] = None) -> Tensor:
     """The maps of the module docstring, built as a full (B, C, L, L) float64 stack (small inputs only).
 
     Args:
@@ -70,11 +72,12 @@ def decay_maps_naive(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k: O
             defaults to log_q + log_k).  row_weight, col_weight: (B, L, C) or None (1).  conv_weight: (C, K) or
             None.  segments: (B, L) integer segment ids or None.  rows: None or (R,).
         reduce: "mean" | "sum" | "abs_mean" over channels, or None.  out_dtype: default log_decay's dtype.
+        value_weight: (B, L, C) or None: a column weight after the conv, ``H_c · diag(value_weight[:, :, c])``.
     Returns:
         (B, L, L) reduced or (B, C, L, L) per channel; R rows instead of L with ``rows``.
     """
     rows = validate_inputs(log_decay, log_q, log_k, log_diag, row_weight, col_weight, conv_weight, segments, rows,
-                           reduce)
+                           reduce, value_weight)
     out_dtype = out_dtype or log_decay.dtype
     f64 = lambda t: None if t is None else t.to(torch.float64).transpose(1, 2)  # noqa: E731 -> (B, C, L)
     decay = f64(log_decay)
@@ -101,6 +104,8 @@ def decay_maps_naive(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k: O
         toeplitz = conv_weight.to(torch.float64)[:, (taps - 1 - lag).clamp(0, taps - 1)]  # (C, t, s)
         toeplitz = toeplitz * ((lag >= 0) & (lag < taps))
         alpha = alpha @ toeplitz
+    if value_weight is not None:
+        alpha = alpha * f64(value_weight)[..., None, :]
     if rows is not None:
         alpha = alpha[:, :, rows]
     return reduce_channels(alpha, reduce).to(out_dtype)
