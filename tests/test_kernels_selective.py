@@ -164,10 +164,14 @@ def test_blocked_leaf_sizes_and_long_convs(monkeypatch, leaf, taps):
 
 @pytest.mark.parametrize("chunk", [1, 2])
 def test_blocked_channel_chunks(monkeypatch, chunk):
-    # One channel per chunk, or two: 5 channels then end in a smaller chunk (buffers of another shape).
+    # One channel per chunk, or two: 5 channels then end in a smaller chunk (buffers of another shape; the
+    # per-channel maps' reused block is then sliced, its batch stride that of the full chunk).
     monkeypatch.setattr(blocked_module, "_WORKING_ELEMENTS", 2 * 40 * 3 * chunk)  # B · padded L · N · chunk
-    monkeypatch.setattr(blocked_module, "_CHANNEL_BLOCK_ELEMENTS", 1)
     delta, A, B, C, weights = make_inputs(batch=2, length=40, channels=5, state=3, seed=11)
+    shape = blocked_module._Blocked(delta, A, B, C, weights["row_weight"], weights["col_weight"],
+                                    weights["conv_weight"])
+    per_channel_block = 2 * shape.padded * shape.buf_width  # B · padded L · accumulator width
+    monkeypatch.setattr(blocked_module, "_CHANNEL_BLOCK_ELEMENTS", chunk * per_channel_block)
     for reduce in REDUCES:
         ref = selective_maps_naive(delta, A, B, C, **weights, reduce=reduce)
         assert rel_err(selective_maps_blocked(delta, A, B, C, **weights, reduce=reduce), ref) <= 1e-12

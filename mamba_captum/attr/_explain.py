@@ -602,9 +602,10 @@ class Runner:
 # float16 has 5 exponent bits: a gradient below 6e-8 flushes to zero in the model's own backward. The gradients of
 # one score span ~1e10 across tokens (measured: 3e-12 .. 0.15 on a tiny Bamba), and the gradient methods normalise
 # each row, so tiny rows carry full weight: unscaled they silently became identity rows (relevance 10 % off the
-# float32 copy of the model). The score is scaled by 2^16, as torch.amp.GradScaler starts, halved while the backward
-# overflows, and the gradients are unscaled in float32; bfloat16 has float32's exponent range and is not scaled.
-FLOAT16_GRAD_SCALE = 2.0 ** 16
+# float32 copy of the model). The score is scaled by 2^15 (float16's largest power of two: GradScaler's 2^16 is inf
+# there), halved while the backward overflows (each halving one more backward: 2 more on the tiny Bamba), and the
+# gradients are unscaled in float32, exactly (powers of two); bfloat16 has float32's exponent range: not scaled.
+FLOAT16_GRAD_SCALE = 2.0 ** 15
 
 
 def scaled_grad(score: torch.Tensor, tensors: list, retain_graph: bool) -> tuple:
