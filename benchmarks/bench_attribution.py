@@ -2,8 +2,8 @@
 MambaSelectionAttribution, one forward + backward on the fast scans (the reference cost, "fwd_bwd") and Captum's
 LayerIntegratedGradients (embeddings, n_steps=50) on the same random Mamba model, batch 1, fp32, CPU.
 
-Configs: "130m" (the mamba-130m shape: d_model 768, 24 layers, vocab 50280) and "10m" (d_model 256, 12 layers,
-vocab 16384: ~9.7M parameters). Each (config, L, method) runs in a fresh subprocess with a time budget; a run that
+Configs: "130m" (the mamba-130m shape: d_model 768, 24 layers, vocab 50280), "10m" (d_model 256, 12 layers,
+vocab 16384: ~9.7M parameters) and "mamba2-130m" (a Mamba-2 of the mamba2-130m shape). Each (config, L, method) runs in a fresh subprocess with a time budget; a run that
 exceeds it is reported as "> budget" (HF's torch Mamba-1 scan is a Python loop over tokens whose backward grows
 faster than L², so gradient methods on long inputs take minutes).
 
@@ -22,6 +22,9 @@ METHODS = ("raw", "rollout", "attribution", "attribution_residual", "selection",
 CONFIGS = {
     "130m": dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=16, expand=2, conv_kernel=4),
     "10m": dict(hidden_size=256, num_hidden_layers=12, vocab_size=16384, state_size=16, expand=2, conv_kernel=4),
+    # a Mamba2ForCausalLM of the mamba2-130m shape (as bench_implicit_attention.py's)
+    "mamba2-130m": dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=128, expand=2,
+                        head_dim=64, num_heads=24, n_groups=1, conv_kernel=4, chunk_size=256),
 }
 
 
@@ -33,7 +36,10 @@ def measure(config_name: str, length: int, method: str) -> dict:
 
     tf.logging.set_verbosity_error()
     torch.manual_seed(0)
-    model = tf.MambaForCausalLM(tf.MambaConfig(**CONFIGS[config_name])).eval()
+    if config_name.startswith("mamba2"):
+        model = tf.Mamba2ForCausalLM(tf.Mamba2Config(**CONFIGS[config_name])).eval()
+    else:
+        model = tf.MambaForCausalLM(tf.MambaConfig(**CONFIGS[config_name])).eval()
     ids = torch.randint(3, model.config.vocab_size, (1, length))
     target = 7
     start = time.perf_counter()
