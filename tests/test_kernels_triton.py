@@ -193,6 +193,8 @@ def test_dispatch_settings_and_restoration(monkeypatch):
     with kernel_settings(backend="triton"):
         via_dispatch = decay_maps(**_on_device(inputs), reduce="sum", out_dtype=torch.float32)
     assert relative_error(via_dispatch.cpu(), decay_maps_naive(**inputs, reduce="sum")) < TOLERANCE
+    with kernel_settings(backend="triton"), pytest.raises(ValueError, match="value_weight applies to"):
+        decay_maps(**_on_device(inputs), reduce="abs_mean", out_dtype=torch.float32)  # a tap split is no |·| of sums
 
 
 # The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU. Two layers (a Mamba

@@ -355,6 +355,17 @@ def test_softmax_layers_pass_relevance_through_the_values_only(family):
     assert method._explain(ids, TARGET, None, None, None, {}, parameters=values)[2] != 0.0
 
 
+def test_rwkv_wkv_weights_pass_no_relevance():
+    # keys, decay and bonus set the WKV weights (this layer's selection, detached); the values carry the relevance
+    model = make_model("rwkv", dtype=torch.float64)
+    blocks = [m for m in model.modules() if type(m).__name__ == "RwkvSelfAttention"]
+    ids = torch.randint(3, 64, (1, 8))
+    method = mc.MambaLRP(model)
+    selection = [p for m in blocks for p in (m.time_decay, m.time_first, m.key.weight)]
+    assert method._explain(ids, TARGET, None, None, None, {}, parameters=selection)[2] == 0.0
+    assert method._explain(ids, TARGET, None, None, None, {}, parameters=[m.value.weight for m in blocks])[2] != 0.0
+
+
 def test_a_sequence_classifier_explains_its_pooled_logit():
     import transformers as tf
 

@@ -490,17 +490,33 @@ def test_half_precision_maps_reproduce_the_real_layer_within_the_guarantee(famil
         assert expected.abs().max() > 1e-2  # not vacuous
 
 
-def test_float16_gradients_are_loss_scaled_and_backed_off_on_overflow():
+def test_float16_gradients_are_loss_scaled_and_backed_off_on_overflow(monkeypatch):
     from mamba_captum.attr._explain import FLOAT16_GRAD_SCALE, scaled_grad
 
+    passes = []
+    plain_grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: passes.append(1) or plain_grad(*a, **k))
     x = torch.ones(3, dtype=torch.float16, requires_grad=True)
     (tiny,) = scaled_grad((x * 1e-9).sum(), [x], retain_graph=False)  # 1e-9 flushes to 0 in float16
-    assert torch.autograd.grad((x * 1e-9).sum(), x)[0].eq(0).all()
+    assert plain_grad((x * 1e-9).sum(), x)[0].eq(0).all()
     assert tiny.dtype == torch.float32 and relative_error(tiny, torch.full((3,), 1e-9)) < 1e-3
-    (large,) = scaled_grad((x * 1000).sum(), [x], retain_graph=False)  # 1000 · 2^15 overflows: scale backs off
-    assert large.dtype == torch.float32 and torch.equal(large, torch.full((3,), 1000.0))
+    assert len(passes) == 2  # the unscaled probe (all zero), then 2^15
+    passes.clear()
+    (large,) = scaled_grad((x * 1000).sum(), [x], retain_graph=False)  # near float16's top already: not scaled
+    assert torch.equal(large, torch.full((3,), 1000.0)) and len(passes) == 2
+    # the probe sees 10 at x, but 1e4 · scale flows through the inner node: 64 → 32 → 16 → 8 overflow, 4 does not
+    passes.clear()
+    memo = {}
+    (inner,) = scaled_grad(((x * 1e-3) * 1e4).sum(), [x], retain_graph=True, memo=memo)
+    assert relative_error(inner, torch.full((3,), 10.0)) < 1e-3 and memo["scale"] == 4.0 and len(passes) == 6
+    passes.clear()
+    scaled_grad(((x * 1e-3) * 1e4).sum(), [x], retain_graph=False, memo=memo)  # the next score of the call
+    assert len(passes) == 1
     y = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)  # float32's range: no scaling, dtype kept
     assert scaled_grad((y * 3).sum(), [y], retain_graph=False)[0].dtype == torch.bfloat16
+    z = torch.ones(2, dtype=torch.float64, requires_grad=True)  # a float64 tensor beside float16 ones stays float64
+    grads = scaled_grad((x.double().sum() + z.sum()) * 1e-9, [x, z], retain_graph=False)
+    assert grads[1].dtype == torch.float64 and relative_error(grads[1], torch.full((2,), 1e-9, dtype=torch.float64)) < 1e-15
     assert FLOAT16_GRAD_SCALE == 2.0 ** 15 and torch.isfinite(torch.tensor(FLOAT16_GRAD_SCALE, dtype=torch.float16))
 
 

@@ -23,7 +23,7 @@ import torch
 from ..dispatch import precision, use_triton
 from ..taps import post_conv_columns
 from .blocked import decay_maps_blocked
-from .naive import decay_maps_naive
+from .naive import check_value_reduce, decay_maps_naive, validate_inputs
 from .triton import decay_maps_triton
 
 __all__ = ["decay_maps", "decay_maps_blocked", "decay_maps_naive", "decay_maps_triton"]
@@ -42,6 +42,10 @@ def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=N
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``.
     """
     common = dict(log_diag=log_diag, segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype)
+    if value_weight is not None:  # before either branch: the tap-by-tap split below is a sum, right for no other
+        validate_inputs(log_decay, log_q, log_k, log_diag, row_weight, col_weight, conv_weight, segments, rows,
+                        reduce, value_weight)
+        check_value_reduce(reduce)
     if not ((out_dtype or log_decay.dtype) == torch.float32 and use_triton(log_decay, torch.float32)):
         return decay_maps_blocked(log_decay, log_q, log_k, row_weight=row_weight, col_weight=col_weight,
                                   conv_weight=conv_weight, value_weight=value_weight, **common)

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..selective.naive import apply_conv_columns
 from ..taps import post_conv_columns
-from .naive import validate_inputs
+from .naive import check_value_reduce, validate_inputs
 
 TILE = 32  # columns per tile of the reduced maps (diagonal tiles cost L·TILE·C exponentials)
 _WORKING_ELEMENTS = 1 << 22  # elements of one float64 (B, rows, cols, channels) exponent block
@@ -72,8 +72,8 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
     """
     rows = validate_inputs(log_decay, log_q, log_k, log_diag, row_weight, col_weight, conv_weight, segments, rows,
                            reduce, value_weight)
-    if value_weight is not None and reduce not in ("mean", "sum"):
-        raise ValueError(f"value_weight applies to reduce='mean' or 'sum', got reduce={reduce!r}")
+    if value_weight is not None:
+        check_value_reduce(reduce)
     if value_weight is not None and conv_weight is not None and not _conv_path(segments, rows, reduce):
         ones = torch.ones_like(value_weight)
         return post_conv_columns(

@@ -59,6 +59,12 @@ def validate_inputs(log_decay: Tensor, log_q: Optional[Tensor], log_k: Optional[
     return rows.long()
 
 
+def check_value_reduce(reduce) -> None:
+    """``value_weight`` weighs the columns of a channel sum: it applies to ``reduce="mean"`` / ``"sum"`` only."""
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"value_weight applies to reduce='mean' or 'sum', got reduce={reduce!r}")
+
+
 def decay_maps_naive(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k: Optional[Tensor] = None, *,
                      log_diag: Optional[Tensor] = None, row_weight: Optional[Tensor] = None,
                      col_weight: Optional[Tensor] = None, conv_weight: Optional[Tensor] = None,

@@ -7,6 +7,7 @@ Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -563,13 +564,15 @@ class Runner:
                                "layers (a forward_func that runs the model under torch.no_grad or inference_mode?).")
         for call in calls:
             call.output_grads = []
+        loss_scale = {}  # float16 graphs: the scale found for the first score serves the next ones
         for number, (_, scores, targets) in enumerate(queries):
             picked = scores.gather(1, targets[:, None].to(scores.device)).sum()
             if not picked.requires_grad:
                 raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
                                    "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
                                    "return the scores as computed from the model's output.")
-            everything = scaled_grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1)
+            everything = scaled_grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1,
+                                     memo=loss_scale)
             grads, effect_grads = everything[:len(tensors)], list(everything[len(tensors):])
             for call, pieces in inputs:
                 effect = 0
@@ -602,22 +605,43 @@ class Runner:
 # float16 has 5 exponent bits: a gradient below 6e-8 flushes to zero in the model's own backward. The gradients of
 # one score span ~1e10 across tokens (measured: 3e-12 .. 0.15 on a tiny Bamba), and the gradient methods normalise
 # each row, so tiny rows carry full weight: unscaled they silently became identity rows (relevance 10 % off the
-# float32 copy of the model). The score is scaled by 2^15 (float16's largest power of two: GradScaler's 2^16 is inf
-# there), halved while the backward overflows (each halving one more backward: 2 more on the tiny Bamba), and the
-# gradients are unscaled in float32, exactly (powers of two); bfloat16 has float32's exponent range: not scaled.
-FLOAT16_GRAD_SCALE = 2.0 ** 15
+# float32 copy of the model). So the score is loss-scaled: an unscaled backward first measures the largest gradient,
+# the scale is the power of two that takes it to FLOAT16_GRAD_TARGET (headroom for larger gradients inside the
+# graph), at most 2^15 (float16's largest power of two), halved while the backward still overflows; later scores of
+# the same call start from the scale found. The gradients are unscaled exactly (powers of two), in float32 or wider.
+# bfloat16 has float32's exponent range and is not scaled.
+FLOAT16_GRAD_SCALE = 2.0 ** 15  # the largest scale
+FLOAT16_GRAD_TARGET = 2.0 ** 10  # the largest gradient after scaling: 64× below float16's largest number
 
 
-def scaled_grad(score: torch.Tensor, tensors: list, retain_graph: bool) -> tuple:
-    """``torch.autograd.grad(score, tensors)`` (None for unused tensors), with a loss scale where any is float16."""
+def _all_finite(grads) -> bool:
+    return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+
+
+def scaled_grad(score: torch.Tensor, tensors: list, retain_graph: bool, memo: dict | None = None) -> tuple:
+    """``torch.autograd.grad(score, tensors)`` (None for unused tensors), with a loss scale where any is float16.
+
+    ``memo``: a dict kept across the scores of one call; it remembers the scale found (one backward per later score).
+    """
     if not any(t.dtype == torch.float16 for t in tensors):
         return torch.autograd.grad(score, tensors, retain_graph=retain_graph, allow_unused=True)
-    scale = FLOAT16_GRAD_SCALE
+    memo = {} if memo is None else memo
+    scale = memo.get("scale")
+    if scale is None:
+        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)
+        largest = max((float(g.abs().max()) for g in grads if g is not None and g.numel()), default=0.0)
+        if not _all_finite(grads) or largest >= FLOAT16_GRAD_TARGET:
+            memo["scale"] = 1.0  # non-finite unscaled (the caller's check names it), or too large to scale up
+            return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads)
+        scale = FLOAT16_GRAD_SCALE if largest == 0 else min(
+            FLOAT16_GRAD_SCALE, 2.0 ** math.floor(math.log2(FLOAT16_GRAD_TARGET / largest)))
     while True:
         grads = torch.autograd.grad(score * scale, tensors, retain_graph=retain_graph or scale > 1, allow_unused=True)
-        if scale == 1 or all(g is None or bool(torch.isfinite(g).all()) for g in grads):
-            return tuple(None if g is None else g.float() / scale for g in grads)
+        if scale == 1 or _all_finite(grads):
+            break
         scale /= 2
+    memo["scale"] = scale
+    return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) / scale for g in grads)
 
 
 def check_reduce(reduce):

@@ -168,5 +168,6 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     receptance = run(mixer.receptance, mix(mixer.time_mix_receptance)).double()
     with torch.no_grad():
         k = run(mixer.key, mix(mixer.time_mix_key)).double()
-    wkv = wkv_scan_chunked(mixer.time_decay.double(), mixer.time_first.double(), k, value)[0]  # linear in value
+    # decay and bonus detached like the keys: the WKV weights are this layer's selection, the WKV linear in value
+    wkv = wkv_scan_chunked(mixer.time_decay.detach().double(), mixer.time_first.detach().double(), k, value)[0]
     return linear_readout(mixer.output)(sigmoid_gate(receptance, wkv))
