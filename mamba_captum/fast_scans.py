@@ -16,6 +16,13 @@ replaced by dispatchers:
   single token (one step, no loop); else CUDA tensors (not float64) go to
   :func:`mamba_captum.kernels.wkv_scan.wkv_scan_triton`, everything else to
   :func:`mamba_captum.kernels.wkv_scan.wkv_scan_chunked`.
+- Mamba-2 and its hybrids (Bamba, Zamba2, NemotronH, FalconH1, GraniteMoeHybrid): the module-level
+  ``mamba2_chunk_scan`` of each model file, HF's torch SSD (no Python loop over tokens, but it repeats C·Bᵀ for
+  every head of a group, and its einsums run slowly on CPU). CPU tensors go to
+  :func:`mamba_captum.kernels.scans.ssd_scan_reference` (C·Bᵀ once per group, batched matmuls; float32 as HF's:
+  at the 130m shape, L = 1024, ~5× faster forward and ~1.8× forward + backward); CUDA tensors, a gate ``z`` and
+  packed sequences (``seq_idx`` / ``cu_seqlens``) stay on HF's function (on CUDA it is mamba-ssm's kernel when
+  installed).
 - Griffin / RecurrentGemma: the method ``RecurrentGemmaRglru._rnn_scan``, swapped on the class. HF's own method
   for a single token (its one-step decode branch) and for an ``acc_dtype`` other than its default float32; else
   CUDA tensors (not float64) go to :func:`mamba_captum.kernels.rglru_scan.rglru_scan_triton`, everything else to
@@ -41,6 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from .kernels.rglru_scan import rglru_scan_chunked, rglru_scan_triton
+from .kernels.scans import ssd_scan_reference
 from .kernels.selective_scan import selective_scan_chunked, selective_scan_triton
 from .kernels.triton_maps import triton_available
 from .kernels.wkv_scan import wkv_scan_chunked, wkv_scan_triton
@@ -51,6 +59,14 @@ SCAN_MODULES = {
     "FalconMambaMixer": "transformers.models.falcon_mamba.modeling_falcon_mamba",
     "JambaMambaMixer": "transformers.models.jamba.modeling_jamba",
     "ZambaMambaMixer": "transformers.models.zamba.modeling_zamba",  # one call per head
+}
+SSD_MODULES = {
+    "Mamba2Mixer": "transformers.models.mamba2.modeling_mamba2",
+    "BambaMixer": "transformers.models.bamba.modeling_bamba",
+    "Zamba2MambaMixer": "transformers.models.zamba2.modeling_zamba2",
+    "NemotronHMamba2Mixer": "transformers.models.nemotron_h.modeling_nemotron_h",
+    "FalconH1Mixer": "transformers.models.falcon_h1.modeling_falcon_h1",
+    "GraniteMoeHybridMambaLayer": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
 }
 RWKV_MODULE = "transformers.models.rwkv.modeling_rwkv"
 GRIFFIN_MODULE = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
@@ -141,6 +157,34 @@ def _rglru_dispatcher(name, original):
     return _rnn_scan
 
 
+def _ssd_dispatcher(name, original):
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                          dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
+        # HF's own function: a thread outside fast_scans(), CUDA tensors (mamba-ssm's kernel where installed), a gate
+        # z, or packed sequences (seq_idx / cu_seqlens: HF's torch path refuses them). Other keywords the layers
+        # pass down (position_embeddings, output_router_logits ...) HF's wrapper drops before its torch function.
+        if (not _thread_depth().get(name) or hidden_states.device.type == "cuda"
+                or any(kwargs.get(key) is not None for key in ("z", "seq_idx", "cu_seqlens"))):
+            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                            initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                            return_final_states=return_final_states, **kwargs)
+        if dt_bias is not None:  # HF's discretisation, as its function does it
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = torch.nn.functional.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        x = hidden_states.float()  # HF computes the scan in float32, whatever the model's dtype
+        y, final = ssd_scan_reference(x, dt.float(), A.float(), B.float(), C.float(), initial_state=initial_states,
+                                      return_final_state=True)
+        if D is not None:
+            y = y + D[..., None] * x
+        y = y.contiguous()  # as HF's: FalconH1Mixer calls .view() on it
+        return (y, final) if return_final_states else y
+
+    mamba2_chunk_scan.original = original
+    return mamba2_chunk_scan
+
+
 @dataclasses.dataclass(frozen=True)
 class Swap:
     """``attribute`` of ``module`` (or of its class ``owner``), replaced by ``dispatcher(key, original)`` for models
@@ -155,6 +199,8 @@ class Swap:
 
 # key (also the thread-depth key) -> swap
 SWAPS = {path: Swap((mixer,), path, None, "mamba_selective_scan", _dispatcher) for mixer, path in SCAN_MODULES.items()}
+SWAPS.update({path: Swap((mixer,), path, None, "mamba2_chunk_scan", _ssd_dispatcher)
+              for mixer, path in SSD_MODULES.items()})
 SWAPS[RWKV_MODULE] = Swap(("RwkvSelfAttention",), RWKV_MODULE, None, "rwkv_linear_attention", _wkv_dispatcher)
 SWAPS[f"{GRIFFIN_MODULE}.RecurrentGemmaRglru"] = Swap(("RecurrentGemmaRglru",), GRIFFIN_MODULE, "RecurrentGemmaRglru",
                                                        "_rnn_scan", _rglru_dispatcher)
@@ -182,8 +228,8 @@ PATCHES = {key: SharedPatch(lambda key=key: _install(key), _uninstall) for key i
 
 @contextlib.contextmanager
 def fast_scans(model=None):
-    """Swap HF's Mamba-1, RWKV-4 and RG-LRU scans for the fast ones while the context is open, for the calling
-    thread (see the module docstring).
+    """Swap HF's Mamba-1, Mamba-2 (SSD), RWKV-4 and RG-LRU scans for the fast ones while the context is open, for
+    the calling thread (see the module docstring).
 
     Args:
         model: only the scans of the mixers this model contains are swapped; None swaps all of them.

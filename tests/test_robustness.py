@@ -27,7 +27,8 @@ ORIGINAL_SCANS = {module: module.mamba_selective_scan for module in SCAN_MODULES
 # RWKV's WKV (a module global) and Griffin's RG-LRU scan (a method), which fast_scans swaps too
 RECURRENT_SCANS = [(importlib.import_module("transformers.models.rwkv.modeling_rwkv"), "rwkv_linear_attention"),
                    (importlib.import_module("transformers.models.recurrent_gemma.modeling_recurrent_gemma")
-                    .RecurrentGemmaRglru, "_rnn_scan")]
+                    .RecurrentGemmaRglru, "_rnn_scan")] + [  # and the Mamba-2 family's SSD
+    (importlib.import_module(path), "mamba2_chunk_scan") for path in fast_scans_module.SSD_MODULES.values()]
 ORIGINAL_RECURRENT_SCANS = [getattr(owner, attribute) for owner, attribute in RECURRENT_SCANS]
 ALL_FAMILIES = list(CONFIGS) + list(RECURRENT_CONFIGS)
 

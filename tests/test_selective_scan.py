@@ -18,6 +18,7 @@ import mamba_captum as mc
 from mamba_captum.kernels.selective_scan import selective_scan_chunked, selective_scan_naive
 
 SCAN_MODULES = (hf_mamba, hf_falcon_mamba, hf_jamba, hf_zamba)
+SSD_MODULE_PATHS = sys.modules["mamba_captum.fast_scans"].SSD_MODULES.values()
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
 
@@ -86,7 +87,8 @@ def test_swapped_only_inside_and_restored_on_every_exit():
             assert [m.mamba_selective_scan for m in SCAN_MODULES] == dispatchers
             assert depth() == {hf_mamba.__name__: 2, hf_falcon_mamba.__name__: 1, hf_jamba.__name__: 1,
                                hf_zamba.__name__: 1, hf_rwkv.__name__: 1,  # RWKV, Griffin: test_recurrent_scans
-                               f"{hf_griffin.__name__}.RecurrentGemmaRglru": 1}
+                               f"{hf_griffin.__name__}.RecurrentGemmaRglru": 1,
+                               **{path: 1 for path in SSD_MODULE_PATHS}}  # Mamba-2's: test_ssd_fast_scan
         assert all(count == 1 for count in depth().values())
     assert [m.mamba_selective_scan for m in SCAN_MODULES] == originals and not depth()
     with pytest.raises(RuntimeError, match="boom"), mc.fast_scans():
