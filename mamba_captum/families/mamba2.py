@@ -21,7 +21,7 @@ from torch import nn
 from ..kernels.scans import ssd_scan_reference
 from ..operators import SSDOperator
 from ..rules import half_product, silu_rule
-from .mamba import _masked
+from .mamba import _masked, check_dtype
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer",
@@ -87,7 +87,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     B, C = w(B).view(batch, length, groups, state), w(C).view(batch, length, groups, state)
 
     x_heads = x.view(batch, length, heads, head_dim)
-    ssd = ssd_scan_reference(x_heads, delta, A, B, C)  # (B, L, H, P), the part that comes from tokens
+    # the part that comes from tokens, (B, L, H, P): scanned in the model's precision (float64 models in float64), as
+    # Mamba-1's check scan; its exponents are float64 either way
+    check = lambda t: t.to(check_dtype(hidden))  # noqa: E731
+    ssd = w(ssd_scan_reference(check(x_heads), check(delta), check(A), check(B), check(C)))
     skip = w(mixer.D)[:, None] * x_heads
     y = (ssd + skip).reshape(batch, length, d_inner)
     gate = F.silu(z)
