@@ -2,8 +2,9 @@
 
 Written to be evidently right first and reasonably fast second: the Mamba-1 scan precomputes every decay and
 input in one vectorised pass and leaves only a fused multiply-add per token in the Python loop; the Mamba-2 scan is
-the chunked SSD algorithm (exact; chunk-local cumulative sums, every exponent ≤ 0); the decay recurrence without
-query / key terms (RG-LRU's) runs as a chunked scan. The differentiable scans that stand in for HF's own live in
+the chunked SSD algorithm (exact; chunk-local cumulative sums in float64, every exponent ≤ 0; differentiable, and
+the SSD ``mc.fast_scans`` runs in place of HF's ``mamba2_chunk_scan`` on CPU); the decay recurrence without query /
+key terms (RG-LRU's) runs as a chunked scan. The differentiable scans that stand in for HF's per-token loops live in
 ``selective_scan``, ``wkv_scan`` and ``rglru_scan``.
 """
 from __future__ import annotations
