@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
 
 from mamba_captum.kernels.decay import decay_maps
 from mamba_captum.kernels.selective import selective_maps
 from mamba_captum.kernels.ssd import ssd_maps
+
+from bench_linear_families import best_of  # noqa: E402 (this folder is on sys.path when a script of it runs)
 
 
 def kernels(length: int):
@@ -44,13 +45,9 @@ def kernels(length: int):
 
 
 def best(fn, repeats: int) -> float:
+    """The best of ``repeats`` timed calls after an untimed warm-up one."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_of(repeats, fn)
 
 
 def main():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import torch
 import transformers as tf
@@ -17,15 +16,13 @@ import transformers.models.mamba2.modeling_mamba2 as hf_mamba2
 
 import mamba_captum as mc
 
+from bench_linear_families import best_of  # noqa: E402 (this folder is on sys.path when a script of it runs)
+
 
 def best(fn, repeats: int) -> float:
+    """The best of ``repeats`` timed calls after an untimed warm-up one."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return best_of(repeats, fn)
 
 
 def main():
