@@ -19,8 +19,9 @@ replaced by dispatchers:
 - Mamba-2 and its hybrids (Bamba, Zamba2, NemotronH, FalconH1, GraniteMoeHybrid): the module-level
   ``mamba2_chunk_scan`` of each model file, HF's torch SSD (no Python loop over tokens, but it repeats C·Bᵀ for
   every head of a group, and its einsums run slowly on CPU). CPU tensors go to
-  :func:`mamba_captum.kernels.scans.ssd_scan_reference` (C·Bᵀ once per group, batched matmuls; float32 as HF's:
-  at the 130m shape, L = 1024, ~5× faster forward and ~1.8× forward + backward); CUDA tensors, a gate ``z`` and
+  :func:`mamba_captum.kernels.scans.ssd_scan_reference` (C·Bᵀ once per group, batched matmuls, float64
+  exponents; float32 as HF's: one 130m-shaped layer runs its forward 2.8-4.3× and its forward + backward 2.3-2.8×
+  faster, ``benchmarks/bench_ssd_scan.py``); CUDA tensors, a gate ``z`` and
   packed sequences (``seq_idx`` / ``cu_seqlens``) stay on HF's function (on CUDA it is mamba-ssm's kernel when
   installed).
 - Griffin / RecurrentGemma: the method ``RecurrentGemmaRglru._rnn_scan``, swapped on the class. HF's own method
