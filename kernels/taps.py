@@ -36,3 +36,13 @@ def post_conv_columns(maps, row, col, values, conv_weight, length: int):
         else:
             total[..., :length - tau] += part[..., tau:]
     return total
+
+
+def value_weighted_by_taps(kernel, row_weight, col_weight, value_weight, conv_weight, length: int):
+    """``kernel(row_weight=, col_weight=)`` (a map kernel that takes no value weight, its other arguments bound)
+    for ``diag(row) K diag(col) M diag(value_weight)``: :func:`post_conv_columns` with absent weights as ones.
+    Linear in the columns, so right for channel sums and per-channel maps, not for ``"abs_mean"``."""
+    ones = torch.ones_like(value_weight)
+    return post_conv_columns(lambda r, c: kernel(row_weight=r, col_weight=c),
+                             ones if row_weight is None else row_weight, ones if col_weight is None else col_weight,
+                             value_weight, conv_weight, length)

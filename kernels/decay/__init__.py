@@ -21,7 +21,7 @@ import functools
 import torch
 
 from ..dispatch import precision, use_triton
-from ..taps import post_conv_columns
+from ..taps import value_weighted_by_taps
 from .blocked import decay_maps_blocked
 from .naive import check_value_reduce, decay_maps_naive, validate_inputs
 from .triton import decay_maps_triton
@@ -52,7 +52,5 @@ def decay_maps(log_decay, log_q=None, log_k=None, *, log_diag=None, row_weight=N
     kernel = functools.partial(decay_maps_triton, log_decay, log_q, log_k, precision=precision(), **common)
     if value_weight is None:
         return kernel(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
-    ones = torch.ones_like(value_weight)  # the Triton kernel takes no value weight: the conv tap by tap
-    return post_conv_columns(lambda r, c: kernel(row_weight=r, col_weight=c), ones if row_weight is None else
-                             row_weight, ones if col_weight is None else col_weight, value_weight, conv_weight,
-                             log_decay.shape[1])
+    # the Triton kernel takes no value weight: the conv tap by tap
+    return value_weighted_by_taps(kernel, row_weight, col_weight, value_weight, conv_weight, log_decay.shape[1])

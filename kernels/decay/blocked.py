@@ -21,6 +21,7 @@ All arithmetic is float64; results are returned in ``out_dtype`` (default: log_d
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -28,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..selective.naive import apply_conv_columns
-from ..taps import post_conv_columns
+from ..taps import value_weighted_by_taps
 from .naive import check_value_reduce, validate_inputs
 
 TILE = 32  # columns per tile of the reduced maps (diagonal tiles cost L·TILE·C exponentials)
@@ -75,12 +76,9 @@ def decay_maps_blocked(log_decay: Tensor, log_q: Optional[Tensor] = None, log_k:
     if value_weight is not None:
         check_value_reduce(reduce)
     if value_weight is not None and conv_weight is not None and not _conv_path(segments, rows, reduce):
-        ones = torch.ones_like(value_weight)
-        return post_conv_columns(
-            lambda r, c: decay_maps_blocked(log_decay, log_q, log_k, log_diag=log_diag, row_weight=r, col_weight=c,
-                                            segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype),
-            ones if row_weight is None else row_weight, ones if col_weight is None else col_weight, value_weight,
-            conv_weight, log_decay.shape[1])
+        kernel = functools.partial(decay_maps_blocked, log_decay, log_q, log_k, log_diag=log_diag,
+                                   segments=segments, rows=rows, reduce=reduce, out_dtype=out_dtype)
+        return value_weighted_by_taps(kernel, row_weight, col_weight, value_weight, conv_weight, log_decay.shape[1])
     out_dtype = out_dtype or log_decay.dtype
     f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731
     zero = torch.zeros_like(log_decay, dtype=torch.float64)

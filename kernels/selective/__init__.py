@@ -18,14 +18,12 @@ with ``rows`` (R,) only those query rows: (B, R, L) / (B, D, R, L).
 from __future__ import annotations
 
 import functools
-
 from typing import Optional, Sequence, Union
 
-import torch
 from torch import Tensor
 
 from ..dispatch import precision, use_triton
-from ..taps import post_conv_columns
+from ..taps import value_weighted_by_taps
 from .blocked import selective_maps_blocked
 from .naive import selective_maps_naive
 from .triton import selective_maps_triton
@@ -53,10 +51,6 @@ def selective_maps(delta: Tensor, A: Tensor, B: Tensor, C: Tensor, *, row_weight
         if value_weight is None:
             return triton(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
         if reduce != "abs_mean":  # linear in the columns: the conv tap by tap (kernels/taps.py)
-            ones = torch.ones_like(delta)
-            return post_conv_columns(lambda r, c: triton(row_weight=r, col_weight=c),
-                                     ones if row_weight is None else row_weight,
-                                     ones if col_weight is None else col_weight, value_weight, conv_weight,
-                                     delta.shape[1])
+            return value_weighted_by_taps(triton, row_weight, col_weight, value_weight, conv_weight, delta.shape[1])
     return selective_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight,
                                   conv_weight=conv_weight, rows=rows, reduce=reduce, value_weight=value_weight)

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from ..dispatch import precision, use_triton
-from ..taps import post_conv_columns
+from ..taps import value_weighted_by_taps
 from .blocked import ssd_maps_blocked
 from .naive import ssd_maps_naive
 from .triton import ssd_maps_triton
@@ -50,9 +48,7 @@ def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=No
         kernel = functools.partial(ssd_maps_triton, delta, A, B, C, rows=rows, reduce=reduce, precision=precision())
         if value_weight is None:
             return kernel(row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight)
-        ones = torch.ones_like(value_weight)  # the Triton kernel takes no value weight: the conv tap by tap
-        return post_conv_columns(lambda r, c: kernel(row_weight=r, col_weight=c),
-                                 ones if row_weight is None else row_weight,
-                                 ones if col_weight is None else col_weight, value_weight, conv_weight, delta.shape[1])
+        # the Triton kernel takes no value weight: the conv tap by tap
+        return value_weighted_by_taps(kernel, row_weight, col_weight, value_weight, conv_weight, delta.shape[1])
     return ssd_maps_blocked(delta, A, B, C, row_weight=row_weight, col_weight=col_weight, conv_weight=conv_weight,
                             rows=rows, reduce=reduce, value_weight=value_weight)
