@@ -15,7 +15,7 @@ from conftest import relative_error
 from mamba_captum.kernels.decay import decay_maps, decay_maps_naive, decay_maps_triton
 from mamba_captum.kernels.dispatch import kernel_settings, use_triton
 from mamba_captum.kernels.selective import selective_maps_naive, selective_maps_triton
-from mamba_captum.kernels.ssd import ssd_maps_naive, ssd_maps_triton
+from mamba_captum.kernels.ssd import ssd_maps, ssd_maps_naive, ssd_maps_triton
 from mamba_captum.kernels.triton_maps import channel_decay_maps_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -195,6 +195,10 @@ def test_dispatch_settings_and_restoration(monkeypatch):
     assert relative_error(via_dispatch.cpu(), decay_maps_naive(**inputs, reduce="sum")) < TOLERANCE
     with kernel_settings(backend="triton"), pytest.raises(ValueError, match="value_weight applies to"):
         decay_maps(**_on_device(inputs), reduce="abs_mean", out_dtype=torch.float32)  # a tap split is no |·| of sums
+    ssd = dict(delta=torch.rand(1, 12, 2), A=-torch.rand(2), B=torch.randn(1, 12, 1, 3), C=torch.randn(1, 12, 1, 3),
+               conv_weight=torch.randn(2, 2, 4), value_weight=torch.randn(1, 12, 2, 2))
+    with kernel_settings(backend="triton"), pytest.raises(ValueError, match="value_weight needs reduce"):
+        ssd_maps(**{k: v.to(DEVICE) for k, v in ssd.items()}, reduce="abs_mean")  # as the blocked kernel refuses
 
 
 # The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU. Two layers (a Mamba

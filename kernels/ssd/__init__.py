@@ -44,6 +44,8 @@ def ssd_maps(delta, A, B, C, *, row_weight=None, col_weight=None, conv_weight=No
     Returns:
         (B, L, L) / (B, R, L), or (B, C, L, L) / (B, C, R, L) with ``reduce=None``; dtype and device of delta.
     """
+    if value_weight is not None and reduce not in ("mean", "sum"):  # before either branch: a tap split is no |·|
+        raise ValueError(f"value_weight needs reduce 'mean' or 'sum', got {reduce!r}")
     if use_triton(delta):
         kernel = functools.partial(ssd_maps_triton, delta, A, B, C, rows=rows, reduce=reduce, precision=precision())
         if value_weight is None:
