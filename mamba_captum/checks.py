@@ -254,13 +254,33 @@ def accepted_keywords(function) -> set[str] | None:
     return None
 
 
-def check_keywords(keywords, function, options, where: str) -> None:
-    """Refuse keyword arguments that neither the library call (``options``) nor ``function`` would read: a typo
-    such as ``formulaton=`` would otherwise be passed to the model's forward and dropped there.
+# forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix.
+# transformers 5.24 renamed cache_params / past_key_values to cache; its forwards still take the old names (with a
+# FutureWarning, until 5.40) although their signatures no longer show them.
+CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params", "cache")
+
+
+def check_continuation(keywords: dict) -> None:
+    """Refuse a forward keyword that continues a cached prefix (any of :data:`CONTINUATION_KEYWORDS`, not None).
 
     Raises:
-        TypeError: naming the keyword, where it went, and the closest known names.
+        ValueError: naming the keyword and the fix.
     """
+    for name in CONTINUATION_KEYWORDS:
+        if keywords.get(name) is not None:
+            raise ValueError(f"mamba_captum: {name}= continues a cached prefix, whose tokens the explanation could "
+                             "not see; pass the whole sequence instead (and use_cache=False).")
+
+
+def check_keywords(keywords: dict, function, options, where: str) -> None:
+    """Refuse keyword arguments that neither the library call (``options``) nor ``function`` would read: a typo
+    such as ``formulaton=`` would otherwise be passed to the model's forward and dropped there. A keyword that
+    continues a cached prefix is refused first (:func:`check_continuation`), whatever the signature shows.
+
+    Raises:
+        ValueError: a cached prefix. TypeError: naming the keyword, where it went, and the closest known names.
+    """
+    check_continuation(keywords)
     accepted = accepted_keywords(function)
     if accepted is None:
         return

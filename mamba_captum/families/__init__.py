@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..checks import check_continuation
 from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, packed_attention,
                recurrent_gemma, rwkv, short_conv, vim, vision_short_conv, zamba)
 
@@ -23,8 +24,6 @@ ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, 
                                                  vision_short_conv, packed_attention, inkling, inkling2)
             for name in adapter.MIXER_CLASSES}
 SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
-# forward keywords that continue a cached prefix: the operator of the new tokens alone would miss the prefix
-CONTINUATION_KEYWORDS = ("state", "past_key_values", "cache_params")
 
 # Token mixers of transformers that are recognised and known not to fit any operator: class name -> why (the message
 # names the class and the model type). None at present; a class listed here is refused by name, never skipped.
@@ -174,10 +173,7 @@ def check_forward(mixers: list[LocatedMixer], attention_mask, forward_kwargs: di
     Raises:
         ValueError: naming the problem and the fix.
     """
-    for name in CONTINUATION_KEYWORDS:
-        if forward_kwargs.get(name) is not None:
-            raise ValueError(f"mamba_captum: {name}= continues a cached prefix, whose tokens the explanation could "
-                             "not see; pass the whole sequence instead (and use_cache=False).")
+    check_continuation(forward_kwargs)
     if attention_mask is None:
         return
     ignoring = sorted({type(m.module).__name__ for m in mixers if getattr(m.adapter, "IGNORES_ATTENTION_MASK", False)})
