@@ -72,7 +72,8 @@ def main():
             kernels["blocked torch"] = lambda: selective_maps_blocked(**inputs, reduce="mean")
         if length <= args.naive_max:
             kernels["naive"] = lambda: selective_maps_naive(**inputs, reduce="mean")
-        selective_maps_triton(**inputs, reduce="mean")  # compile
+        for precision in ("ieee", "tf32"):  # compile both variants outside the timings
+            selective_maps_triton(**inputs, reduce="mean", precision=precision)
         reference = None
         for kernel, fn in kernels.items():
             out, seconds, memory = timed(fn, args.layers_measured)

@@ -167,10 +167,11 @@ def test_empty_rows_and_bad_input():
 
 
 def test_dispatch_settings_and_restoration(monkeypatch):
-    cpu = torch.zeros(2)
+    cpu, on_device = torch.zeros(2), torch.zeros(2, device=DEVICE)
     assert not use_triton(cpu)  # auto: CUDA only
     with kernel_settings(backend="triton", precision="tf32"):
-        assert use_triton(cpu) and not use_triton(cpu.double())  # float64 maps stay on the float64 torch kernels
+        # float64 maps stay on the float64 torch kernels
+        assert use_triton(on_device) and not use_triton(on_device.double())
         from mamba_captum.kernels.dispatch import precision
         assert precision() == "tf32"
         with monkeypatch.context() as patch:
@@ -184,8 +185,8 @@ def test_dispatch_settings_and_restoration(monkeypatch):
     # float32 maps from float64 log-space pieces (DecayOperator) do go to Triton when asked
     inputs = _rwkv_like(batch=1, channels=2)
     with kernel_settings(backend="triton"):
-        via_dispatch = decay_maps(**inputs, out_dtype=torch.float32)
-    assert relative_error(via_dispatch, decay_maps_naive(**inputs)) < TOLERANCE
+        via_dispatch = decay_maps(**{k: v.to(DEVICE) for k, v in inputs.items()}, out_dtype=torch.float32)
+    assert relative_error(via_dispatch.cpu(), decay_maps_naive(**inputs)) < TOLERANCE
     # a value weight after the conv: the Triton kernel takes none, the dispatcher splits the conv into its taps
     gate = torch.rand(1, LENGTH, 2, dtype=torch.float64) * 0.9 + 0.05
     inputs = dict(log_decay=-gate.log(), col_weight=(1 - gate ** 2).sqrt(), row_weight=_randn(1, LENGTH, 2),
@@ -214,11 +215,12 @@ def test_engine_maps_through_triton_equal_the_torch_kernels(family, size):
     from test_rwkv_griffin import RESET_POSITIONS
     from tiny_models import VOCAB, make_model
 
-    model = make_model(family, **size)
-    ids = torch.randint(3, VOCAB, (2, 10))
-    kwargs = {"position_ids": RESET_POSITIONS[:, :10]} if family == "recurrent_gemma" else {}
+    model = make_model(family, **size).to(DEVICE)
+    ids = torch.randint(3, VOCAB, (2, 10)).to(DEVICE)
+    kwargs = {"position_ids": RESET_POSITIONS[:, :10].to(DEVICE)} if family == "recurrent_gemma" else {}
     for formulation in ("unified", "hidden"):
-        torch_maps = mc.implicit_attention(model, ids, formulation=formulation, **kwargs)
+        with kernel_settings(backend="torch"):  # on CUDA "auto" would pick Triton too
+            torch_maps = mc.implicit_attention(model, ids, formulation=formulation, **kwargs)
         with kernel_settings(backend="triton"):
             triton_maps = mc.implicit_attention(model, ids, formulation=formulation, **kwargs)
         assert set(triton_maps) == set(torch_maps)
@@ -280,12 +282,14 @@ def test_vim_maps_and_attribution_through_triton_equal_the_torch_kernels():
     model = make_vim().to(DEVICE)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     for formulation in ("unified", "hidden"):
-        torch_maps = mc.implicit_attention(model, pixels, formulation=formulation, reduce="abs_mean")
+        with kernel_settings(backend="torch"):  # on CUDA "auto" would pick Triton too
+            torch_maps = mc.implicit_attention(model, pixels, formulation=formulation, reduce="abs_mean")
         with kernel_settings(backend="triton"):
             triton_maps = mc.implicit_attention(model, pixels, formulation=formulation, reduce="abs_mean")
         for layer in torch_maps:
             assert relative_error(triton_maps[layer].cpu(), torch_maps[layer].cpu()) < TOLERANCE, (formulation, layer)
-    expected = mc.MambaAttribution(model).attribute(pixels, target=2)
+    with kernel_settings(backend="torch"):
+        expected = mc.MambaAttribution(model).attribute(pixels, target=2)
     with kernel_settings(backend="triton"):
         got = mc.MambaAttribution(model).attribute(pixels, target=2)
     assert relative_error(got.cpu(), expected.cpu()) < 1e-4
