@@ -218,7 +218,11 @@ def check_recorded(trace, mixers, layers):
         RuntimeError: naming the layers whose mixer was not seen.
     """
     seen = {call.located.layer for call in trace.mixer_calls}
-    missing = sorted({m.layer for m in mixers if (layers is None or m.layer in layers) and m.layer not in seen})
+    mixer_layers = {m.layer for m in mixers}
+    # every decoder-layer call of a layer with mixers (a looped model's layer runs at several positions)
+    calls = enumerate(trace.schedule) if trace.schedule else ((index, index) for index in mixer_layers)
+    missing = sorted({call for call, index in calls
+                      if index in mixer_layers and (layers is None or call in layers) and call not in seen})
     if missing:
         raise RuntimeError(
             f"mamba_captum: the token mixers of decoder layers {missing} did not run in the forward pass as seen "
@@ -235,7 +239,8 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
         raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
     kept = families.parse_components(components, formulation)
     decoder_layers, mixers = families.locate(model)
-    layers = _layer_indices(layers, len(decoder_layers))
+    schedule = families.layer_schedule(decoder_layers, mixers)  # a looped model's layers run more than once
+    layers = _layer_indices(layers, len(schedule))
     args = ()
     if vision_layout(model) is not None:  # an image model: model(pixel_values, ...)
         args = (input_ids,)
@@ -250,7 +255,8 @@ def _capture(model, input_ids, attention_mask, formulation, layers, components, 
         if not output_read and "logits_to_keep" in inspect.signature(underlying_forward(model)).parameters:
             forward_kwargs["logits_to_keep"] = 1  # the layers' maps do not depend on the logits
     families.check_forward(mixers, attention_mask, forward_kwargs)
-    with fast_scans(model), LayerCapture(decoder_layers, mixers, layers, on_layer_done=on_layer_done) as capture:
+    with fast_scans(model), LayerCapture(decoder_layers, mixers, layers, on_layer_done=on_layer_done,
+                                         schedule=schedule) as capture:
         output = model(*args, **forward_kwargs)
     check_recorded(capture.trace, mixers, layers)
     return capture.trace, output, decoder_layers, kept
@@ -326,7 +332,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
     for index in sorted(set(attention_calls) | set(mixer_calls)):
         # an offloaded layer's weights exist only inside its own forward: load them for its rebuild (and its
         # operator's maps, computed by the caller while this layer is current)
-        with loaded_weights(model, decoder_layers[index]):
+        with loaded_weights(model, decoder_layers[trace.decoder_layer(index)]):
             calls = mixer_calls.get(index, [])
             # a mixer that splits its tokens into segments and calls the attention interface once per segment (LFM3-VL's
             # vision attention over the frames of packed images) takes all of its calls; anything else calls it once
@@ -389,7 +395,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                     previous[2], previous[3] = max(previous[2], ssm_error), call
                     continue
                 parts.append([located.name, ssm, ssm_error, call])
-            layer = decoder_layers[index]
+            layer = decoder_layers[trace.decoder_layer(index)]
             if len(parts) == 1 and attention is not None and hasattr(layer, "ssm_out_multiplier"):
                 # FalconH1: attention ∥ Mamba-2 summed in every layer, each scaled by its output multiplier.
                 ssm, ssm_error, ssm_grads = parts[0][1], parts[0][2], _operator_grads(parts[0][1], parts[0][3])
@@ -471,7 +477,8 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         formulation: ``"unified"`` (gate · S6 · activation · conv [· norm], Zimerman et al.) or ``"hidden"``
             (the S6 / SSD part alone, Ali et al.).
         reduce: ``"mean"`` | ``"abs_mean"`` | ``"sum"`` over channels, or None for per-channel maps.
-        layers: decoder-layer indices to compute (negative allowed), None for all.
+        layers: decoder-layer indices to compute (negative allowed), None for all; for a looped model
+            (inkling2_loop), positions in its sequence of decoder-layer calls (the maps' keys, below).
         rows: query rows to compute (ints, negative allowed), None for all.
         components: unified only: the parts to keep, from ``("s6", "gate", "act", "conv", "norm")`` (an iterable
             of names or a mapping name -> bool); None keeps all. Used for the ablations.
@@ -486,8 +493,10 @@ def implicit_attention(model, input_ids=None, attention_mask=None, *, formulatio
         layer ``i``; Inkling's and Inkling2's decoder layers give their attention branch (the attention composed
         with the convolution after o_proj; with ``reduce=None`` its D·C paths d ← c, d major) under ``i`` and their
         MLP branch's convolution under ``"{i}.mlp_sconv"`` / ``"{i}.post_mlp_convolution"`` (a
-        :class:`LayerPartKey`, which sorts just after ``i``). Float32, or float64 for float64 models. Rows and
-        columns of padding tokens are zero.
+        :class:`LayerPartKey`, which sorts just after ``i``). A looped model (inkling2_loop), whose loop layers run
+        once per pass, is keyed by decoder-layer call in execution order (HF's numbering of its
+        ``output_hidden_states``; :func:`mamba_captum.families.layer_schedule` gives each call's layer). Float32,
+        or float64 for float64 models. Rows and columns of padding tokens are zero.
 
     Raises:
         TypeError: the model has a token mixer with no adapter (named in the message); or a bad argument.
@@ -532,7 +541,7 @@ class _MapStream:
             return
         if index in self.done:
             raise RuntimeError(f"mamba_captum: decoder layer {index} ran twice in one forward; not supported.")
-        layer_trace = Trace(mixer_calls=calls, attention_calls=attention)
+        layer_trace = Trace(mixer_calls=calls, attention_calls=attention, schedule=trace.schedule)
         for key, operator, _, _ in _operators(self.model, layer_trace, self.decoder_layers, self.formulation,
                                               self.kept, self.attention_mask):
             self.maps[key] = operator.maps(self.reduce, self.rows)

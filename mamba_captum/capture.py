@@ -16,6 +16,7 @@ records for the calling thread's innermost capture and is transparent for every 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .families import LocatedMixer
+from .families import DEPTH_ATTENTION, LocatedMixer
 from .session import SharedPatch, thread_state
 
 
@@ -40,6 +41,8 @@ def _recording_interface(interface):
     itself and returns what the layer gets (:class:`mamba_captum.lrp.LRPForward`)."""
 
     def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
+        if type(module).__name__ in DEPTH_ATTENTION:  # a softmax over earlier layers at each token: no token mixer
+            return interface(module, query, key, value, attention_mask, *args, **kwargs)
         captures = open_captures()
         if captures and hasattr(captures[-1], "_attention_call"):  # the capture runs the call itself (MambaLRP)
             return captures[-1]._attention_call(interface, module, query, key, value, attention_mask, args, kwargs)
@@ -112,12 +115,19 @@ class AttentionCall:
 
 @dataclass
 class Trace:
-    """Everything recorded in one forward pass, by decoder layer."""
+    """Everything recorded in one forward pass, by decoder-layer call (its position in ``schedule``: the decoder-layer
+    index, for every model that runs each layer once)."""
 
     mixer_calls: list[MixerCall] = field(default_factory=list)
     attention_calls: list[AttentionCall] = field(default_factory=list)
-    residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, L, D_model) stream entering it
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)  # call -> (B, L, D_model) stream entering it
     embedding_inputs: list = field(default_factory=list)  # what the input embeddings were called with (token ids)
+    # the decoder-layer index of each decoder-layer call of the forward (families.layer_schedule); empty: 0 .. N-1
+    schedule: list[int] = field(default_factory=list)
+
+    def decoder_layer(self, call: int) -> int:
+        """The index in the decoder-layer list of the layer that ran as decoder-layer call ``call``."""
+        return self.schedule[call] if 0 <= call < len(self.schedule) else call
 
     def detach(self):
         """Drop the autograd graph from everything recorded (after the gradients have been taken)."""
@@ -190,7 +200,8 @@ class LayerCapture(contextlib.AbstractContextManager):
     Args:
         decoder_layers: the model's decoder-layer ``ModuleList`` (index = decoder-layer index).
         mixers: the SSM mixers to record (from :func:`mamba_captum.families.locate`).
-        layers: decoder-layer indices to record, or None for all.
+        layers: decoder-layer calls to record (positions in ``schedule``: the decoder-layer indices, for a model that
+            runs each layer once), or None for all.
         record_attention: whether to record softmax attention calls.
         detach: store detached tensors (maps need no graph); False keeps the graph for gradient methods, and then
             (with grad enabled) a decoder layer's input that carries no graph (a frozen model, frozen embeddings,
@@ -204,22 +215,32 @@ class LayerCapture(contextlib.AbstractContextManager):
         on_layer_done: called with the trace and a decoder-layer index as soon as that layer's forward returned
             (its calls are then complete in the trace): a caller that needs no gradients can consume and drop them there, so that
             one layer's recorded tensors are alive at a time (:func:`mamba_captum.implicit_attention`).
+        schedule: the decoder-layer index of each decoder-layer call of the forward
+            (:func:`mamba_captum.families.layer_schedule`), None for ``0 .. N-1``. A looped model's layer runs at
+            several positions: each of its calls is recorded as a mixer of its own (a copy of its
+            :class:`LocatedMixer` whose ``layer`` is the call's position), and a forward that departs from a loop's
+            schedule is refused.
     """
 
     def __init__(self, decoder_layers: nn.ModuleList, mixers: list[LocatedMixer], layers=None,
                  record_attention: bool = True, detach: bool = True, record_residual: bool = False,
-                 embeddings: nn.Module | None = None, on_layer_done=None):
+                 embeddings: nn.Module | None = None, on_layer_done=None, schedule=None):
         self.embeddings = embeddings
         self.on_layer_done = on_layer_done
         self.decoder_layers = decoder_layers
-        self.mixers = [m for m in mixers if layers is None or m.layer in layers]
+        schedule = list(range(len(decoder_layers))) if schedule is None else list(schedule)
+        self._looped = schedule != list(range(len(decoder_layers)))
+        wanted = None if layers is None else {schedule[i] if 0 <= i < len(schedule) else i for i in layers}
+        self.mixers = [m for m in mixers if wanted is None or m.layer in wanted]
         self.layers = None if layers is None else set(layers)
         self.record_attention = record_attention
         self.detach = detach
         self.record_residual = record_residual
-        self.trace = Trace()
+        self.trace = Trace(schedule=schedule)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._layer_stack: list[int] = []
+        self._layer_stack: list[int] = []  # the decoder-layer calls now running (positions in the schedule)
+        self._next_call = 0  # the position in the schedule of the next decoder-layer call
+        self._call_mixers: dict = {}  # (call, id(located)) -> the located mixer of a looped layer's later call
         self._thread = None
         self._captures: list = []
         self._attention_patched = False
@@ -234,6 +255,46 @@ class LayerCapture(contextlib.AbstractContextManager):
     def _current_layer(self) -> int | None:
         return self._layer_stack[-1] if self._layer_stack else None
 
+    def _layer_call(self, index: int) -> int:
+        """The position in the schedule of the call of decoder layer ``index`` that starts now (``index`` itself for
+        a model that runs each layer once).
+
+        Raises:
+            RuntimeError: a looped model's layer runs where its schedule has another one.
+        """
+        schedule, position = self.trace.schedule, self._next_call
+        if position < len(schedule) and schedule[position] == index:
+            self._next_call += 1
+            return position
+        if self._looped:
+            expected = f"layer {schedule[position]}" if position < len(schedule) else "no further layer"
+            raise RuntimeError(
+                f"mamba_captum: decoder layer {index} ran as call {position} of the forward pass, where the model's "
+                f"loop schedule has {expected}; the calls of its looped layers cannot be told apart. Explain one "
+                "forward pass of the model as transformers runs it.")
+        return index  # a layer that runs twice is refused where its calls are rebuilt
+
+    def _at_call(self, located: LocatedMixer) -> LocatedMixer | None:
+        """``located`` as recorded in the decoder-layer call now running: itself in its layer's own position (and in
+        every model without a loop), a copy keyed by the call's position in a looped layer's later calls; None in a
+        looped model's call that is not recorded (``layers=``)."""
+        call = self._current_layer()
+        if not self._looped or call is None or self.trace.decoder_layer(call) != located.layer:
+            return located
+        if self.layers is not None and call not in self.layers:
+            return None
+        if call == located.layer:
+            return located
+        copy = self._call_mixers.get((call, id(located)))
+        if copy is None:
+            def renamed(name):  # "{layer}.{path}" -> "{call}.{path}"
+                return f"{call}.{name.split('.', 1)[1]}" if "." in name else str(call)
+
+            copy = dataclasses.replace(located, layer=call, name=renamed(located.name),
+                                       follows=None if located.follows is None else renamed(located.follows))
+            self._call_mixers[(call, id(located))] = copy
+        return copy
+
     def _mine(self) -> bool:
         """Whether the call now running belongs to this capture: its thread, and no capture opened inside it."""
         if threading.get_ident() != self._thread:
@@ -245,6 +306,7 @@ class LayerCapture(contextlib.AbstractContextManager):
     def _on_layer_pre(self, index, module, args, kwargs):
         if not self._mine():
             return None
+        index = self._layer_call(index)  # from here on: the call's position in the schedule
         self._layer_stack.append(index)
         recorded = self.record_residual and (self.layers is None or index in self.layers)
         positional = bool(args)
@@ -275,29 +337,32 @@ class LayerCapture(contextlib.AbstractContextManager):
 
     def _on_layer_post(self, index, module, args, output):
         if self._mine() and self._layer_stack:
-            self._layer_stack.pop()
+            call = self._layer_stack.pop()
             if self.on_layer_done is not None:
-                self.on_layer_done(self.trace, index)
+                self.on_layer_done(self.trace, call)
 
     def _on_mixer_pre(self, located, module, args, kwargs):
         if not self._mine():
+            return
+        located = self._at_call(located)
+        if located is None:  # a decoder-layer call that is not recorded (layers=)
             return
         hidden, mask, options = mixer_arguments(args, kwargs)
         options = {k: self._keep(v) for k, v in options.items()}
         self.trace.mixer_calls.append(MixerCall(located, self._keep(hidden), self._keep(mask), options=options))
 
     def _on_mixer_post(self, located, module, args, kwargs, output):
-        if self._mine():
-            self._last_call(located).output = self._keep(output[0] if isinstance(output, tuple) else output)
+        if self._mine() and (call := self._last_call(located)) is not None:
+            call.output = self._keep(output[0] if isinstance(output, tuple) else output)
 
     def _on_hooked_input(self, located, name, module, args, kwargs):
-        if self._mine():
-            self._last_call(located).hooked.append([name, module, (self._keep_all(args), self._keep_all(kwargs)),
-                                                    None])  # the output is filled in by the post-hook
+        if self._mine() and (call := self._last_call(located)) is not None:
+            call.hooked.append([name, module, (self._keep_all(args), self._keep_all(kwargs)),
+                                None])  # the output is filled in by the post-hook
 
     def _on_hooked_output(self, located, name, module, args, output):
-        if self._mine():
-            for entry in reversed(self._last_call(located).hooked):
+        if self._mine() and (call := self._last_call(located)) is not None:
+            for entry in reversed(call.hooked):
                 if entry[0] == name and entry[3] is None:
                     entry[3] = output.detach() if torch.is_tensor(output) else output
                     break
@@ -311,10 +376,14 @@ class LayerCapture(contextlib.AbstractContextManager):
         return tuple(keep(v) for v in values)
 
     def _on_out_proj(self, located, module, args, output):
-        if self._mine():
-            self._last_call(located).unfused = True
+        if self._mine() and (call := self._last_call(located)) is not None:
+            call.unfused = True
 
-    def _last_call(self, located) -> MixerCall:
+    def _last_call(self, located) -> MixerCall | None:
+        """The call of ``located`` now running (None in a decoder-layer call that is not recorded)."""
+        located = self._at_call(located)
+        if located is None:
+            return None
         for call in reversed(self.trace.mixer_calls):
             if call.located is located:
                 return call
@@ -339,6 +408,7 @@ class LayerCapture(contextlib.AbstractContextManager):
     def __enter__(self):
         self._thread = threading.get_ident()
         self._closed = False
+        self._next_call = 0
         self._captures = open_captures()  # the list of the opening thread, whichever thread removes the hooks
         self._captures.append(self)
         try:

@@ -141,8 +141,9 @@ def as_hf_attentions(model, input_ids, attention_mask=None, *, formulation="unif
             layer).
         **forward_kwargs: passed to ``model(...)``.
     Returns:
-        a tuple with one (B, 1, L, L) tensor per decoder layer, indexed like the decoder layers (one "head": the
-        channel-reduced map). A decoder layer that mixes no tokens (e.g. NemotronH's MLP layers) gets the identity
+        a tuple with one (B, 1, L, L) tensor per decoder layer, indexed like the decoder layers (a looped model,
+        inkling2_loop: one per decoder-layer call, as its ``output_attentions``; one "head": the channel-reduced
+        map). A decoder layer that mixes no tokens (e.g. NemotronH's MLP layers) gets the identity
         (each token reads only itself; zero on padding). Zamba2's shared attention block, which has no
         decoder-layer index of its own, is left out.
     """
@@ -163,5 +164,5 @@ def as_hf_attentions(model, input_ids, attention_mask=None, *, formulation="unif
     if attention_mask is not None:
         keep = attention_mask.to(any_map.device, any_map.dtype)
         identity = identity * keep[:, :, None] * keep[:, None, :]
-    count = len(families.decoder_layers(model))
+    count = len(families.layer_schedule(*families.locate(model)))  # decoder-layer calls (looped models: per pass)
     return tuple((maps[layer] if layer in maps else identity)[:, None] for layer in range(count))

@@ -614,7 +614,7 @@ def _linear_checkpoint(path, model_type, vocab_size):
 
     if model_type == "zaya":
         model = zaya(torch.float32, vocab_size=vocab_size)
-    elif model_type in ("inkling", "inkling2"):
+    elif model_type in ("inkling", "inkling2", "inkling2_loop"):
         import test_inkling
 
         sizes = dict(vocab_size=vocab_size) if model_type == "inkling" else \
@@ -631,13 +631,15 @@ def _linear_checkpoint(path, model_type, vocab_size):
 # vision-language model type -> its text model in tiny_models (qwen3_5 and qwen4_exp checkpoints are left out:
 # transformers loads their own tokenizer class whatever tokenizer_config.json says, so the demo tokenizer cannot be used)
 # model types MambaLRP has no rules for (docs/methods/lrp.md): the default explanation leaves "lrp" out for them
-NO_LRP_RULES = {"glm5_next", "qwen4_exp", "zaya", "inkling", "inkling2", "lfm2_vl", "lfm3_vl"}
+NO_LRP_RULES = {"glm5_next", "qwen4_exp", "zaya", "inkling", "inkling2", "inkling2_loop", "lfm2_vl", "lfm3_vl"}
 VISION_LANGUAGE_TEXT = {"glm5_next": "glm5_next", "lfm2_vl": "lfm2", "lfm3_vl": "lfm3"}
 # every model type of the linear token mixers; glm5_next's text model has no causal-LM class (its VL checkpoint is
 # here), and transformers loads qwen3_5_moe's own tokenizer class whatever tokenizer_config.json says, which reads
 # the demo tokenizer's words as nothing (qwen3_5_moe's explanations are tested in test_linear_families.py)
 LINEAR_CHECKPOINTS = [t for t in LINEAR_CONFIGS if t not in ("glm5_next", "qwen3_5_moe")] + [
-    "zamba", "zaya", "inkling", "inkling2", *VISION_LANGUAGE_TEXT]
+    "zamba", "zaya", "inkling", "inkling2", *VISION_LANGUAGE_TEXT,
+    pytest.param("inkling2_loop", marks=pytest.mark.skipif(  # its text model, looped layers and all
+        "inkling2_loop" not in tf.CONFIG_MAPPING, reason="inkling2_loop is new in transformers 5.24"))]
 
 
 @pytest.mark.parametrize("model_type", LINEAR_CHECKPOINTS)

@@ -71,7 +71,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         if recipe == "official" and reduce != "mean":
             raise ValueError(f"mamba_captum: reduce={reduce!r} does not apply to recipe='official', which reduces "
                              "the channels as the papers' code does; leave it out.")
-        count = len(self._runner.decoder_layers)
+        count = len(self._runner.schedule)  # decoder-layer calls: a looped model's loop layers count once per pass
         start = official_start_layer(count) if (start_layer is None and recipe == "official") else \
             start_layer_index(start_layer, count)
         return dict(recipe=recipe, reduce=reduce, **extra), start

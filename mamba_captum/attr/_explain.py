@@ -253,6 +253,8 @@ class Runner:
     def refresh(self):
         """Find the decoder layers and mixers again: a layer replaced since the last call is the one explained."""
         self.decoder_layers, self.mixers = families.locate(self.model)
+        # the decoder-layer index of each decoder-layer call (a looped model runs some layers more than once)
+        self.schedule = families.layer_schedule(self.decoder_layers, self.mixers)
         self.layout = vision_layout(self.model)  # an image model's tokens (None for token models)
         self.packed = packed_tower(self.model)  # a vision tower over packed patches (N, P) and grid_thw
         self.causal = not any(getattr(m.adapter, "NONCAUSAL", False) for m in self.mixers)
@@ -420,10 +422,10 @@ class Runner:
             positions = format_positions(position, mask)
         if self.forward_func is None:
             check_forward_devices(kwargs, inputs.device, self.model)
-        layers = list(range(start_layer, len(self.decoder_layers)))
+        layers = list(range(start_layer, len(self.schedule)))
         embeddings = getattr(self.model, "get_input_embeddings", lambda: None)()
         capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
-                               record_residual=residual_grads,
+                               record_residual=residual_grads, schedule=self.schedule,
                                embeddings=embeddings if isinstance(embeddings, torch.nn.Module) else None)
         families.check_forward(self.mixers, attention_mask, kwargs)
         # float inputs (embeddings, pixels) start the graph themselves: whatever the model derives from them

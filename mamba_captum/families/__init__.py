@@ -4,7 +4,9 @@ An adapter module exposes ``MIXER_CLASSES`` (the HF class names it handles) and
 ``rebuild(call, formulation, components) -> operator`` (see :mod:`mamba_captum.operators`); for MambaLRP also
 ``lrp(call, work_dtype) -> tensor``, the mixer's output under the LRP rules as a differentiable function of
 ``call.hidden_states`` (or ``LRP_UNSUPPORTED``, the reason it has none). The rules of the modules around the mixers
-are in :mod:`.layers`. Adapters know nothing of the explanation methods; the methods know nothing of the families.
+are in :mod:`.layers`. Optional: ``DEPTH_ATTENTION_CLASSES`` (modules whose attention-interface calls mix layers, not
+tokens) and ``layer_schedule(module, N)`` (a looped model's decoder-layer calls, :func:`layer_schedule`). Adapters
+know nothing of the explanation methods; the methods know nothing of the families.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from ..checks import check_continuation
+from . import catalogue
 from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, packed_attention,
                recurrent_gemma, rwkv, short_conv, vim, vision_short_conv, zamba)
 
@@ -28,6 +31,10 @@ SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
 # Token mixers of transformers that are recognised and known not to fit any operator: class name -> why (the message
 # names the class and the model type). None at present; a class listed here is refused by name, never skipped.
 REFUSED: dict[str, str] = {}
+# Modules that call transformers' attention interface over earlier layers' outputs at each token (Inkling2's block
+# attention residuals): they mix layers, not tokens, so the capture passes their calls through unrecorded.
+DEPTH_ATTENTION = frozenset(name for adapter in set(ADAPTERS.values())
+                            for name in getattr(adapter, "DEPTH_ATTENTION_CLASSES", ()))
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 
 
@@ -88,7 +95,7 @@ CONTAINER_NAME_FRAGMENTS = ("DecoderLayer", "Block", "Model", "For")  # layers a
 
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
-    if name in REFUSED:  # known not to fit, whether or not an adapter exists
+    if name in REFUSED or name in catalogue.DECODER_MIXERS:  # known not to fit, whether or not an adapter exists
         return True
     if name in ADAPTERS:
         return False
@@ -119,7 +126,7 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                         f"mamba_captum: layer {index} is the official Vim code's Mamba mixer (mamba-ssm fork, "
                         f"bimamba_type={module.bimamba_type!r}). Load its weights into the library's Vim: "
                         "mamba_captum.vision.load_vim(model.state_dict()) (same keys, same function, any device).")
-                why = REFUSED.get(type(module).__name__)
+                why = REFUSED.get(type(module).__name__) or catalogue.refusal(type(module).__name__)
                 if why is not None:  # known, and known not to fit any operator: say why
                     raise TypeError(
                         f"mamba_captum: layer {index} ({name}) uses the token mixer {type(module).__name__}"
@@ -143,6 +150,19 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
             f"mamba_captum: {type(model).__name__} contains none of the supported token mixers "
             f"({', '.join(SUPPORTED_MIXERS)}).")
     return layers, found
+
+
+def layer_schedule(decoder_layers: nn.ModuleList, mixers: list[LocatedMixer]) -> list[int]:
+    """The decoder-layer index of each decoder-layer call of one forward pass, in execution order: ``0 .. N-1`` for a
+    model that runs each layer once; a looped model (inkling2_loop) runs a block of layers several times, as its
+    adapter's ``layer_schedule(module, N)`` says. The maps are keyed by the position of the call in this list (HF's
+    numbering of ``output_hidden_states``), which is the decoder-layer index for every model without a loop."""
+    for located in mixers:
+        schedule = getattr(located.adapter, "layer_schedule", None)
+        found = None if schedule is None else schedule(located.module, len(decoder_layers))
+        if found is not None:
+            return list(found)
+    return list(range(len(decoder_layers)))
 
 
 def parse_components(components, formulation: str) -> frozenset[str]:

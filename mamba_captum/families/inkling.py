@@ -1,7 +1,7 @@
 """Inkling (model types inkling_text, and the language model of inkling_mm_model): softmax attention whose keys and
 values are convolved, and short convolutions on both residual branches.
 
-Decoder layer (transformers 5.23, ``InklingDecoderLayer.forward``), with ``S(x) = x + conv(m ⊙ x)``
+Decoder layer (transformers 5.23 and 5.24, ``InklingDecoderLayer.forward``), with ``S(x) = x + conv(m ⊙ x)``
 (``InklingShortConvolution``: depthwise causal conv of K taps, no bias, computed in float32; m the 2-D padding
 mask ``conv_mask``, None without padding)::
 

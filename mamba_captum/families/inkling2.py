@@ -1,9 +1,10 @@
-"""Inkling2 (model type inkling2_text): Inkling's layout (:mod:`.inkling`) with gated attention, sink logits,
-RMS-normalised values, dynamic value convolutions in the full-attention layers, scaled short convolutions and
-attention residuals over depth.
+"""Inkling2 (model types inkling2_text, inkling2's language model, and inkling2_loop_text / inkling2_loop's language
+model): Inkling's layout (:mod:`.inkling`) with gated attention, sink logits, RMS-normalised values, dynamic value
+convolutions in the full-attention layers, scaled short convolutions and attention residuals over depth; inkling2_loop
+runs a block of its decoder layers several times per forward pass.
 
-Decoder layer (transformers 5.23, ``Inkling2SlidingDecoderLayer`` / ``Inkling2FullDecoderLayer``), with the
-scaled short convolution ``S(x) = (x + conv(m ⊙ x)) / √(K+1)`` (``Inkling2ShortConvolution``, float32)::
+Decoder layer (``Inkling2SlidingDecoderLayer`` / ``Inkling2FullDecoderLayer``), with the scaled short convolution
+``S(x) = (x + conv(m ⊙ x)) / √(K+1)`` (``Inkling2ShortConvolution``, float32)::
 
     a  = post_attention_convolution(o_proj(σ(gate_proj h') ⊙ Attn(q, k, v)))
     r  = a (at an attention-residual block boundary) or h + a
@@ -12,7 +13,7 @@ scaled short convolution ``S(x) = (x + conv(m ⊙ x)) / √(K+1)`` (``Inkling2Sh
 where h' are the (per-token) depth-attention mixes of earlier blocks' states, normalised (the full layers give the
 query, key and value their own), and the depth attention mixes layers, not tokens. The values::
 
-    sliding: v = ν ⊙ (x + conv(m ⊙ x)) / √(K+1)                x = v_proj(h')
+    sliding: v = ν ⊙ (x + conv(m ⊙ x)) / √(K+1)                x = v_proj(h'_v)
     full:    v = ν ⊙ (x_t + Σ_τ w_{t,τ} m_{t−τ} x_{t−τ}) / √(2K+1)   x = v_proj(h'_v)
 
 with the full layers' taps ``w_{t,τ} = static_weight[τ] + weight_proj(h'_v)_{t, kv head, τ}`` (per row: the output
@@ -21,11 +22,36 @@ RMS norm of each key/value head's convolved value v̂. ν depends on the values 
 library (the gated norms of Mamba-2 and the delta rule, mLSTM's layer norm), its scale is fixed at its real value
 (detached), so ``y = H x`` holds exactly at the explained input and ν is a diagonal factor on the value side.
 
+Two layouts of the same value path, recognised from the attention module's structure (:func:`value_path`):
+
+- on the attention itself (transformers 5.23): ``v_proj`` (a linear map), ``v_sconv``, ``v_norm``, ``gate_proj``
+  and a linear ``o_proj``; the keys' ``k_sconv`` beside them;
+- inside a key/value projection module and a gated output projection (5.24's ``Inkling2KeyValueProjection`` and
+  ``Inkling2GatedOutputProjection``): ``v_proj.linear``, ``v_proj.sconv``, ``v_proj.norm``, ``o_proj.gate_proj``,
+  ``o_proj.linear``; the keys' ``k_proj.sconv`` beside them.
+
+Any other layout is refused by name (TypeError) when the mixers are located. The key convolutions (either place)
+are inside the probabilities, never mixers of their own (:data:`INNER_MIXERS`).
+
 Per query-head channel c = (h, p), the attention's operator is ``A_c = diag(σ(gate)_c) · P_h · diag(ν) · V_c`` over
 x (P_h rebuilt from the interface call: sink logits, relative position logits and the full layers' log-scaled
 query included; q and k, their L2 clips and k's convolution are inside P, detached), composed, as in Inkling, with
 post_attention_convolution's band ``T_d`` on o_proj's output channel d (no residual between them), and the MLP
 branch is post_mlp_convolution's band under ``"{i}.post_mlp_convolution"``.
+
+Attention over depth: the block attention residuals (``Inkling2BlockAttentionResidual``; inkling2_loop's
+``Inkling2LoopMessageAttentionResidual`` too) are a softmax, at each token, over earlier layers' (or the previous
+pass's) outputs at that same token. They mix layers, not tokens: no token operator of theirs exists, and the layer
+operators above are over whatever input they give. Those that call transformers' attention interface (5.24) are
+listed in :data:`DEPTH_ATTENTION_CLASSES`, which the capture passes through unrecorded.
+
+inkling2_loop: the decoder layers ``loop_layer_index_start`` to ``loop_layer_index_end − 1`` run
+``loop_num_passes`` times in a row; every pass after the first restarts from the stream before the loop and
+mixes, per token, messages from the previous pass (a depth attention over its blocks) into the layers' query,
+key, value and MLP inputs (``Inkling2LoopMessageGate``: ``(1 − f) ⊙ h + g ⊙ message``, f and g from the same
+token). Each call of a looped layer is a token mixer of its own, explained by the operator above over the input
+that call received; :func:`layer_schedule` gives the decoder-layer index of every call, whose position keys the maps
+(HF's numbering of ``output_hidden_states`` for this model).
 
 formulation "hidden": the probabilities alone over the value the interface received, composed with the post-
 attention band. Components of "unified": "s6" the probabilities, "conv" the convolutions' taps (off: their scaled
@@ -34,41 +60,130 @@ skips), "gate" σ(gate), "norm" ν.
 from __future__ import annotations
 
 import math
-from functools import partial
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from ..operators import skip_taps
 from . import inkling
 from .unhooked import linear_readout, run
 
-CONV_CLASS = "Inkling2ShortConvolution"
-ATTENTION_CLASSES = ("Inkling2SlidingAttention", "Inkling2FullAttention")
-MIXER_CLASSES = (*ATTENTION_CLASSES, CONV_CLASS)
+# class-name prefixes of the two model types (transformers' modular copies rename every class of inkling2_loop)
+PREFIXES = ("Inkling2", "Inkling2Loop")
+CONV_CLASSES = tuple(f"{prefix}ShortConvolution" for prefix in PREFIXES)
+DYNAMIC_CONV_CLASSES = tuple(f"{prefix}DynamicShortConvolution" for prefix in PREFIXES)
+NORM_CLASSES = tuple(f"{prefix}UnweightedRMSNorm" for prefix in PREFIXES)
+# the modules that hold the value path in transformers 5.24's layout
+KEY_VALUE_PROJECTION_CLASSES = tuple(f"{prefix}KeyValueProjection" for prefix in PREFIXES)
+GATED_OUTPUT_CLASSES = tuple(f"{prefix}GatedOutputProjection" for prefix in PREFIXES)
+ATTENTION_CLASSES = tuple(f"{prefix}{kind}Attention" for prefix in PREFIXES for kind in ("Sliding", "Full"))
+MIXER_CLASSES = (*ATTENTION_CLASSES, *CONV_CLASSES)
+# the attentions of the looped model, whose config gives the schedule of its decoder-layer calls
+LOOPED_ATTENTION_CLASSES = ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAttention")
+# modules that call the attention interface over earlier layers' outputs at each token (mixing layers, not tokens):
+# the capture does not record their calls as token attention
+DEPTH_ATTENTION_CLASSES = (*(f"{prefix}BlockAttentionResidual" for prefix in PREFIXES),
+                           "Inkling2LoopMessageAttentionResidual")
 # why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
 LRP_UNSUPPORTED = ("its convolutions (some with token-dependent taps) and data-dependent sink / relative "
                    "logits have no rules written yet")
 CONSUMES_ATTENTION = ATTENTION_CLASSES
-INNER_MIXERS = {name: ("k_sconv", "v_sconv") for name in ATTENTION_CLASSES}
+# the key and value convolutions, in either layout: inside the attention's operator, not mixers of their own
+INNER_MIXERS = {name: ("k_sconv", "v_sconv", "k_proj.sconv", "v_proj.sconv") for name in ATTENTION_CLASSES}
 BRANCH_CONVOLUTIONS = {"post_attention_convolution": "self_attn", "post_mlp_convolution": None}
-follows = partial(inkling.follows, places=BRANCH_CONVOLUTIONS, classes=(CONV_CLASS,))
 
 
-def _value_taps(module, value_input, work_dtype):
+@dataclass(frozen=True)
+class ValuePath:
+    """The modules of an Inkling2 attention's value path and output, wherever its layout keeps them.
+
+    ``projection``: x = projection(value input), (B, L, Hkv·d); ``convolution``: the value convolution (static or
+    dynamic); ``norm``: the unweighted RMS norm of the convolved values; ``gate``: the gate's pre-activation
+    projection of the query input, (B, L, Hq·d); ``output``: the output projection after the gate.
+    """
+
+    projection: nn.Module
+    convolution: nn.Module
+    norm: nn.Module
+    gate: nn.Module
+    output: nn.Module
+
+
+def _class_name(module) -> str:
+    return type(module).__name__
+
+
+def value_path(module, layer=None, name=None) -> ValuePath:
+    """Find the value path of an Inkling2 attention from its structure: on the attention (``v_proj``, ``v_sconv``,
+    ``v_norm``, ``gate_proj``, ``o_proj``) or inside its key/value and gated output projections (``v_proj.linear``,
+    ``v_proj.sconv``, ``v_proj.norm``, ``o_proj.gate_proj``, ``o_proj.linear``).
+
+    Raises:
+        TypeError: neither layout, or a part of an unknown class (named with the model type).
+    """
+    value, output = getattr(module, "v_proj", None), getattr(module, "o_proj", None)
+    path = None
+    if isinstance(getattr(module, "v_sconv", None), nn.Module):
+        path = ValuePath(value, module.v_sconv, getattr(module, "v_norm", None), getattr(module, "gate_proj", None),
+                         output)
+    elif _class_name(value) in KEY_VALUE_PROJECTION_CLASSES and _class_name(output) in GATED_OUTPUT_CLASSES:
+        path = ValuePath(getattr(value, "linear", None), getattr(value, "sconv", None), getattr(value, "norm", None),
+                         getattr(output, "gate_proj", None), getattr(output, "linear", None))
+    known = path is not None and all(isinstance(part, nn.Module) for part in
+                                     (path.projection, path.gate, path.output)) \
+        and _class_name(path.convolution) in (*CONV_CLASSES, *DYNAMIC_CONV_CLASSES) \
+        and _class_name(path.norm) in NORM_CLASSES
+    if not known:
+        model_type = getattr(getattr(module, "config", None), "model_type", None)
+        where = "" if layer is None else f"layer {layer} ({name}) "
+        raise TypeError(
+            f"mamba_captum: {where}is a {_class_name(module)}{f' (model type {model_type!r})' if model_type else ''} "
+            "whose value path the Inkling2 adapter does not recognise (known: v_proj, v_sconv, v_norm, gate_proj and "
+            "o_proj on the attention; or v_proj.linear, v_proj.sconv, v_proj.norm, o_proj.gate_proj and "
+            "o_proj.linear); its operator would be a guess. Please report the model class and config.")
+    return path
+
+
+def follows(layer: int, name: str, module):
+    """As :func:`.inkling.follows` for the branch convolutions; an attention's value path is checked here, when the
+    mixers are located, so that an unknown layout is refused before anything runs.
+
+    Raises:
+        TypeError: a branch convolution at an unknown place, or an attention whose layout is not recognised.
+    """
+    if _class_name(module) in ATTENTION_CLASSES:
+        value_path(module, layer, name)
+        return None
+    return inkling.follows(layer, name, module, places=BRANCH_CONVOLUTIONS, classes=CONV_CLASSES)
+
+
+def layer_schedule(module, count: int) -> list[int] | None:
+    """The decoder-layer index of each decoder-layer call of one forward pass, for a looped model (inkling2_loop:
+    layers ``loop_layer_index_start .. loop_layer_index_end − 1`` run ``loop_num_passes`` times in a row, between the
+    layers before and after them), read from the config of ``module`` when it is one of inkling2_loop's attentions;
+    None otherwise (each layer runs once, in order; an Inkling2 config with stray loop keys does not loop)."""
+    if _class_name(module) not in LOOPED_ATTENTION_CLASSES:
+        return None
+    config = module.config
+    start, end = config.loop_layer_index_start, config.loop_layer_index_end
+    return [*range(start), *(list(range(start, end)) * config.loop_num_passes), *range(end, count)]
+
+
+def _value_taps(path: ValuePath, module, value_input, work_dtype):
     """(x, taps, scale): the value projection (B, L, Hkv, d) and the value convolution's taps with its skip, scale
     included: static (Hkv, d, K) in the sliding layers, per row (B, L, Hkv, d, K) in the full ones."""
     kv_heads, head_dim = module.num_key_value_heads, module.head_dim
     batch, length, _ = value_input.shape
-    x = run(module.v_proj, value_input).to(work_dtype).view(batch, length, kv_heads, head_dim)
-    conv = module.v_sconv
-    if type(conv).__name__ == "Inkling2DynamicShortConvolution":
-        width = conv.conv_kernel_size
+    x = run(path.projection, value_input).to(work_dtype).view(batch, length, kv_heads, head_dim)
+    conv = path.convolution
+    width = conv.conv_kernel_size
+    if _class_name(conv) in DYNAMIC_CONV_CLASSES:
         scale = 1.0 / math.sqrt(2 * width + 1)
         dynamic = run(conv.weight_proj, value_input).to(work_dtype).view(batch, length, kv_heads, 1, width)
         static = conv.static_weight.to(work_dtype).T.reshape(kv_heads, head_dim, width)
         by_lag = static + dynamic  # (B, L, Hkv, d, K): [..., τ] weighs the token τ back
         return x, skip_taps(by_lag.flip(-1), scale), scale
-    width = conv.conv_kernel_size
     scale = 1.0 / math.sqrt(width + 1)
     taps = skip_taps(conv.conv1d.weight[:, 0, :].to(work_dtype), scale).view(kv_heads, head_dim, width)
     return x, taps, scale
@@ -82,21 +197,23 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         the engine composes with post_attention_convolution's band; for a branch convolution its band operator.
     """
     module = call.located.module
-    if type(module).__name__ == CONV_CLASS:
+    if _class_name(module) in CONV_CLASSES:
         return inkling.branch_conv(call, components, work_dtype, scale=1.0 / math.sqrt(module.conv_kernel_size + 1))
+    path = value_path(module)
     hidden = call.hidden_states
     batch, length, _ = hidden.shape
-    value_input = call.options.get("value_hidden_states", hidden)  # the full layers' own value input
-    x, taps, scale = _value_taps(module, value_input, work_dtype)
-    gate = torch.sigmoid(run(module.gate_proj, hidden).to(work_dtype)).view(batch, length, module.num_heads,
-                                                                             module.head_dim)
-    eps = module.v_norm.eps
+    value_input = call.options.get("value_hidden_states", hidden)  # the value's own input, where it has one
+    x, taps, scale = _value_taps(path, module, value_input, work_dtype)
+    gate = torch.sigmoid(run(path.gate, hidden).to(work_dtype)).view(batch, length, module.num_heads,
+                                                                      module.head_dim)
+    eps = path.norm.eps
 
-    def norm(values):  # Inkling2UnweightedRMSNorm's scale, per token and key/value head
+    def norm(values):  # the unweighted RMS norm's scale, per token and key/value head
         return torch.rsqrt(values.square().mean(-1, keepdim=True) + eps)
 
     operator, attended = inkling.attention_operator(
         call, formulation, components, work_dtype, attention, x=x, taps=taps, scale=scale,
-        mask=inkling.conv_mask(call, work_dtype), readout_proj=linear_readout(module.o_proj), gate=gate, norm=norm)
-    rebuilt = run(module.o_proj, attended.reshape(batch, length, -1).to(module.o_proj.weight.dtype))
+        mask=inkling.conv_mask(call, work_dtype), readout_proj=linear_readout(path.output), gate=gate, norm=norm)
+    output_dtype = next((p.dtype for p in path.output.parameters() if p.is_floating_point()), attended.dtype)
+    rebuilt = run(path.output, attended.reshape(batch, length, -1).to(output_dtype))
     return operator, rebuilt
