@@ -8,7 +8,7 @@ import torch
 import transformers as tf
 from accelerate import cpu_offload
 from conftest import relative_error
-from tiny_models import make_model
+from tiny_models import LINEAR_CONFIGS, make_model
 
 import mamba_captum as mc
 from mamba_captum import cli
@@ -21,6 +21,8 @@ from mamba_captum.explain import load
 # (Qwen3-Next), a recurrent family (RecurrentGemma), and RWKV without the in-place rescaling
 FAMILIES = {"mamba": {}, "mamba2": {}, "jamba": {}, "zamba2": {}, "qwen3_next": {}, "recurrent_gemma": {},
             "rwkv": {"rescale_every": 0}}
+if "lara_mini" in LINEAR_CONFIGS:  # transformers >= 5.24: its checkpoint fuses the delta-net's input projections,
+    FAMILIES["lara_mini"] = {}     # which loading splits again
 
 
 def alternating_map(model) -> dict:

@@ -6,6 +6,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import relative_error
 from test_engine import assert_untouched, model_state
 from tiny_models import LINEAR_CONFIGS, VOCAB, make_model
@@ -81,13 +82,14 @@ VALUE_TAPS = {
                 .flatten(2)),
     "lfm2": ("in_proj", lambda mixer, out: out.chunk(3, dim=-1)[2]),
 }
-VALUE_TAPS["qwen3_5_moe"] = VALUE_TAPS["qwen4_exp"] = VALUE_TAPS["qwen3_5"]
+VALUE_TAPS["qwen3_5_moe"] = VALUE_TAPS["qwen4_exp"] = VALUE_TAPS["lara_mini"] = VALUE_TAPS["qwen3_5"]
 VALUE_TAPS["kimi_linear"] = VALUE_TAPS["bailing_hybrid"] = VALUE_TAPS["glm5_next"] = VALUE_TAPS["olmo_hybrid"]
 VALUE_TAPS["lfm2_moe"] = VALUE_TAPS["lfm3"] = VALUE_TAPS["lfm2"]
 # The module-level kernel function each family's mixer calls, whose inputs and output the hidden identity reads.
 KERNEL_FUNCTIONS = {
     **{family: (f"transformers.models.{family}.modeling_{family}", "torch_chunk_gated_delta_rule")
-       for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid")},
+       for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp", "olmo_hybrid", "lara_mini")
+       if family in LINEAR_CONFIGS},  # lara_mini: transformers >= 5.24
     **{family: (f"transformers.models.{family}.modeling_{family}", "chunk_kimi_delta_attention")
        for family in ("kimi_linear", "bailing_hybrid", "glm5_next")},
 }
@@ -178,6 +180,104 @@ def test_hidden_identity_against_the_kernels_own_inputs(family):
         real = out.double() * mask[:, :, None, None]
         assert relative_error(got, real) <= TOL, (family, key)
         assert relative_error(op.output, real) <= TOL
+
+
+def gated_deltanet_float64(mixer, hidden, mask):
+    """Qwen3.5's gated delta-net layer (its ``in_proj_qkv`` / ``z`` / ``b`` / ``a`` layout: Qwen3.5, LaraMini), written
+    out from HF's forward in float64 all through (HF's kernel, its gated norm and its decay run in float32 even in a
+    float64 model): a token loop over the state matrices S_t (B, H, K, P), no chunking, no library code.
+
+    Returns (values before the conv (B, L, H·P), values after it (B, L, H, P), core output (B, L, H, P), out_proj input
+    (B, L, H·P), layer output (B, L, D))."""
+    h = hidden.double() if mask is None else hidden.double() * mask[:, :, None]
+    batch, length, _ = h.shape
+    heads, key_heads, key_dim, value_dim = mixer.num_v_heads, mixer.num_k_heads, mixer.head_k_dim, mixer.head_v_dim
+    lin = lambda layer, x: x @ layer.weight.double().T  # noqa: E731
+    qkv, z, b, a = (lin(getattr(mixer, name), h) for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    taps = mixer.conv1d.weight.double()[:, 0]  # (C, K): output t reads inputs t - K + 1 .. t
+    width = taps.shape[-1]
+    padded = torch.cat([qkv.new_zeros(batch, width - 1, qkv.shape[-1]), qkv], dim=1)
+    pre = sum(padded[:, j:j + length] * taps[:, j] for j in range(width))
+    act = pre * torch.sigmoid(pre)
+    q, k, v = act.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    unit = lambda x: x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)  # noqa: E731  FLA's l2norm
+    q = unit(q.reshape(batch, length, key_heads, key_dim)).repeat_interleave(heads // key_heads, 2) * key_dim ** -0.5
+    k = unit(k.reshape(batch, length, key_heads, key_dim)).repeat_interleave(heads // key_heads, 2)
+    v = v.reshape(batch, length, heads, value_dim)
+    beta = torch.sigmoid(b)
+    decay = torch.exp(-torch.exp(mixer.A_log.double()) * F.softplus(a + mixer.dt_bias.double()))
+    state = h.new_zeros(batch, heads, key_dim, value_dim)
+    core = []
+    for t in range(length):  # S_t = e^{g_t} S_{t-1} + β_t k_t (v_t − e^{g_t} S_{t-1}ᵀ k_t)ᵀ, o_t = S_tᵀ q_t
+        state = state * decay[:, t, :, None, None]
+        error = v[:, t] - torch.einsum("bhkp,bhk->bhp", state, k[:, t])
+        state = state + beta[:, t, :, None, None] * k[:, t, :, :, None] * error[:, :, None, :]
+        core.append(torch.einsum("bhkp,bhk->bhp", state, q[:, t]))
+    core = torch.stack(core, dim=1)
+    normed = core * torch.rsqrt(core.pow(2).mean(-1, keepdim=True) + mixer.norm.variance_epsilon)
+    gate = z.reshape(batch, length, heads, value_dim)
+    inner = (mixer.norm.weight.double() * normed * gate * torch.sigmoid(gate)).reshape(batch, length, -1)
+    return qkv[..., 2 * mixer.key_dim:], v, core, inner, lin(mixer.out_proj, inner)
+
+
+# the gated delta-nets with Qwen3.5's projections and a silu-gated norm
+QWEN3_5_LAYOUT = [family for family in ("qwen3_5", "lara_mini") if family in LINEAR_CONFIGS]
+
+
+@pytest.mark.parametrize("family", QWEN3_5_LAYOUT)
+def test_float64_maps_equal_a_float64_recurrence_to_1e12(family):
+    """Exactness beyond HF's float32 internals: the float64 maps (unified and hidden, left padding, batch 2) reproduce
+    a float64 token-loop transcription of the layer to 1e-12; the transcription is HF's layer (its real output
+    agrees to HF's float32 kernel rounding)."""
+    model = make(family, torch.float64)
+    with torch.no_grad():  # make() scales only fused in_proj weights: spread these gates and decays too
+        for mixer in mixers(model):
+            for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+                getattr(mixer, name).weight.mul_(8.0)
+    ids, mask = padded_batch(family=family)
+    calls = {}
+
+    def record(mod, args, kwargs, out):  # the decoder layer calls its delta-net with keywords
+        calls[mod] = (kwargs["hidden_states"], kwargs["attention_mask"], out)
+
+    handles = [mixer.register_forward_hook(record, with_kwargs=True) for mixer in mixers(model)]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    unified = linear_operators(model, ids, mask, "unified")
+    hidden = linear_operators(model, ids, mask, "hidden")
+    assert len(calls) == len(unified) == len(hidden) > 0
+    keep = mask[:, :, None].double()
+    for mixer, key in zip(mixers(model), unified):
+        layer_input, layer_mask, real = calls[mixer]
+        assert layer_mask is not None  # the model handed the padding mask to the delta-net
+        value_pre, values, core, inner, out = gated_deltanet_float64(mixer, layer_input, layer_mask)
+        assert relative_error(out * keep, real.double() * keep) <= 1e-5, (family, key)  # HF's float32 kernel
+        H = unified[key].maps(reduce=None)  # (B, H·P, L, L)
+        got = torch.einsum("bcts,bsc->btc", H, value_pre * keep)
+        assert relative_error(got, inner * keep) <= 1e-12, (family, key)
+        alpha = hidden[key].maps(reduce=None)  # (B, H, L, L)
+        got = torch.einsum("bhts,bshp->bthp", alpha, values)
+        assert relative_error(got, core * keep[..., None]) <= 1e-12, (family, key)
+        assert relative_error(unified[key].output.flatten(2), inner * keep) <= 1e-12, (family, key)
+
+
+@pytest.mark.skipif("lara_mini" not in LINEAR_CONFIGS, reason="lara_mini is new in transformers 5.24")
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_lara_mini_softmax_layers_a_window_and_a_global_layer(attn_implementation):
+    """LaraMini's layers: the delta rule, a sliding-window attention (RoPE, window 4 of the 12 tokens) and a global
+    attention without positions; each softmax map is its probabilities: rows sum to 1 on real tokens, the window's
+    map is a band, the global one is not, pads get nothing."""
+    model = make_model("lara_mini", attn_implementation=attn_implementation)
+    ids, mask = padded_batch()
+    maps = mc.implicit_attention(model, ids, mask)
+    assert list(maps) == [0, 1, 2] and model.config.layer_types[1:] == ["sliding_attention", "full_attention"]
+    window = model.config.sliding_window
+    for layer in (1, 2):
+        assert torch.allclose(maps[layer][0, 3:].sum(-1), torch.ones(9)) and maps[layer][0, :, :3].abs().max() == 0
+    assert maps[1].tril(-window).abs().max() == 0  # only the last `window` tokens
+    assert maps[2].tril(-window).abs().max() > 1e-3  # the global layer reaches every earlier token
 
 
 @pytest.mark.parametrize("family", LINEAR)

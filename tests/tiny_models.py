@@ -129,6 +129,15 @@ LINEAR_CONFIGS = {
     "lfm3": lambda: tf.Lfm3Config(**_common(num_hidden_layers=3, **_short_conv(
         head_dim=8, sliding_window=4, layer_types=["conv", "sliding_attention", "conv"]))),
 }
+if "lara_mini" in tf.models.auto.configuration_auto.CONFIG_MAPPING:  # transformers >= 5.24
+    # the released layer pattern in small: the delta rule, a sliding-window layer with RoPE (a window shorter than the
+    # tests' 12 tokens) and a global layer without positions; top-2 of 3 experts plus the ungated shared expert (the
+    # config has no dense intermediate_size)
+    LINEAR_CONFIGS["lara_mini"] = lambda: _text_config("lara_mini", "LaraMiniConfig", **_common(
+        num_hidden_layers=3, **{key: value for key, value in _linear_hybrid(
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=3, num_experts_per_tok=2,
+            sliding_window=4, layer_types=["linear_attention", "sliding_attention", "full_attention"]).items()
+            if key != "intermediate_size"}))
 # Zamba (v1): Mamba-1 heads with their own B, C, Δ (tests/test_zamba.py); kept apart from CONFIGS, whose tests are
 # written for one B, C per layer. Two hybrid layers at least: HF's weight tying refuses exactly one.
 ZAMBA_CONFIGS = {

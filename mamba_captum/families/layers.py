@@ -70,6 +70,9 @@ LINEAR_CONTAINERS = {
     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextModel", "Qwen3_5MoeDecoderLayer", "Qwen3_5MoeAttention",
     "Qwen3_5MoeSparseMoeBlock",
     "Lfm2MoeForCausalLM", "Lfm2MoeModel", "Lfm2MoeDecoderLayer", "Lfm2MoeAttention", "Lfm2MoeSparseMoeBlock",
+    # LaraMini (transformers 5.24): Qwen3 attention (q / k norms, RoPE only in the sliding layers); the mixture of
+    # experts adds its shared expert ungated, so its own forward is a sum
+    "LaraMiniForCausalLM", "LaraMiniModel", "LaraMiniDecoderLayer", "LaraMiniAttention", "LaraMiniSparseMoeBlock",
     # KDA hybrids (multi-head latent attention: the latent's RMS norm has its rule; keys are in P)
     "KimiLinearForCausalLM", "KimiLinearModel", "KimiLinearDecoderLayer", "KimiLinearAttention", "KimiLinearMoE",
     "BailingHybridForCausalLM", "BailingHybridModel", "BailingHybridDecoderLayer", "BailingHybridAttention",
@@ -83,7 +86,8 @@ LINEAR_CONTAINERS = {
 # the routing weights (detached by the experts' rule) and the experts' indices.
 NO_RELEVANCE_PATH_SUFFIXES = ("RotaryEmbedding",)
 NO_RELEVANCE_PATH = {"JambaTopKRouter", "GraniteMoeHybridTopKRouter", "MiniMaxTopKRouter", "Qwen3NextTopKRouter",
-                     "Qwen3_5MoeTopKRouter", "Lfm2MoeTopKRouter", "KimiLinearTopkRouter", "BailingHybridTopkRouter"}
+                     "Qwen3_5MoeTopKRouter", "Lfm2MoeTopKRouter", "KimiLinearTopkRouter", "BailingHybridTopkRouter",
+                     "LaraMiniTopKRouter"}
 
 def _input(args, kwargs, name="hidden_states"):
     return args[0] if args else kwargs[name]
@@ -274,6 +278,7 @@ RULES = {
     "Qwen3NextMLP": glu_mlp, "Qwen3NextExperts": experts,
     "Qwen3_5MoeMLP": glu_mlp, "Qwen3_5MoeExperts": experts,
     "Lfm2MoeMLP": lfm_mlp, "Lfm2MoeExperts": experts,
+    "LaraMiniMLP": glu_mlp, "LaraMiniExperts": experts,
     "KimiLinearMLP": glu_mlp, "KimiLinearExperts": experts,
     "BailingHybridMLP": glu_mlp, "BailingHybridExperts": experts,
     "ZambaMLP": glu_mlp,
