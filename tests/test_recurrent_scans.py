@@ -171,7 +171,10 @@ def test_rglru_triton_equals_the_per_token_loop(with_state):
 
 # -- fast_scans on the models ----------------------------------------------------------------------------------------
 def count_calls(monkeypatch, name):
-    """Count the calls that reach the fast scan ``name`` of mamba_captum.fast_scans."""
+    """Count the calls that reach the fast scan ``name`` of mamba_captum.fast_scans (the once-per-process swap
+    checks, which call it too, run first)."""
+    with mc.fast_scans():
+        pass
     calls, real = [], getattr(fast_scans_module, name)
     monkeypatch.setattr(fast_scans_module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls

@@ -1,5 +1,6 @@
 """The fast differentiable Mamba-1 scan: equal to the per-token loop and to HF's own torch path (outputs and every
 gradient), and ``fast_scans`` swaps HF's module-level scans only while it is open."""
+import os
 import sys
 
 import pytest
@@ -20,6 +21,8 @@ from mamba_captum.kernels.selective_scan import selective_scan_chunked, selectiv
 SCAN_MODULES = (hf_mamba, hf_falcon_mamba, hf_jamba, hf_zamba)
 SSD_MODULE_PATHS = sys.modules["mamba_captum.fast_scans"].SSD_MODULES.values()
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+# The Triton scan runs compiled on CUDA (TRITON_INTERPRET=0, .ci/gpu), else interpreted on CPU (conftest).
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 def scan_inputs(length, dtype, batch=2, channels=6, state=4, seed=0):
@@ -104,21 +107,22 @@ def test_dispatch_keeps_mamba_ssm_on_cuda_then_triton_then_the_chunked_scan(monk
     monkeypatch.setattr(fast_scans_module, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
     monkeypatch.setattr(fast_scans_module, "selective_scan_triton", lambda *a, **k: calls.append("triton"))
     dispatch = fast_scans_module._dispatcher(hf_mamba.__name__, lambda *a, **k: calls.append("original"))
-    dispatch(torch.zeros(1))  # a thread outside fast_scans(): HF's own function
+    others = [torch.zeros(1)] * 4  # dt, A, B, C: unread by the dispatch
+    dispatch(torch.zeros(1), *others)  # a thread outside fast_scans(): HF's own function
     assert calls == ["original"]
     calls.clear()
     monkeypatch.setitem(fast_scans_module._thread_depth(), hf_mamba.__name__, 1)
     cuda = lambda dtype: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)  # noqa: E731
     for has_mamba_ssm in (True, False):
         monkeypatch.setattr(fast_scans_module, "_has_mamba_ssm", lambda: has_mamba_ssm)
-        dispatch(cuda(torch.float32))
-    dispatch(cuda(torch.float64))
-    dispatch(torch.zeros(1))
+        dispatch(cuda(torch.float32), *others)
+    dispatch(cuda(torch.float64), *others)
+    dispatch(torch.zeros(1), *others)
     assert calls == ["original", "triton", "chunked", "chunked"]
 
 
 def test_triton_scan_equals_the_per_token_loop_with_gradients(monkeypatch):
-    # Under TRITON_INTERPRET=1 (conftest) on CPU; 16-token chunks so that 45 tokens cross chunk borders.
+    # On DEVICE (interpreted on CPU, compiled on CUDA); 16-token chunks so that 45 tokens cross chunk borders.
     import mamba_captum.kernels.selective_scan.triton as scan_triton
 
     monkeypatch.setattr(scan_triton, "CHUNK", 16)
@@ -133,11 +137,11 @@ def test_triton_scan_equals_the_per_token_loop_with_gradients(monkeypatch):
     def run(scan, tensors):
         u, delta, A, B, C, skip, bias, z = tensors
         y, last = scan(u, delta, A, B, C, D=skip, z=z, delta_bias=bias, delta_softplus=True, return_last_state=True)
-        loss = (y * weights_y.to(y.dtype)).sum() + (last * weights_last.to(last.dtype)).sum()
+        loss = (y * weights_y.to(y)).sum() + (last * weights_last.to(last)).sum()  # y's dtype and device
         return [y, last, *torch.autograd.grad(loss, tensors)]
 
     weights_y, weights_last = torch.randn(batch, channels, length), torch.randn(batch, channels, state)
     expected = run(selective_scan_naive, inputs)
-    got = run(scan_triton.selective_scan_triton, [t.detach().float().requires_grad_() for t in inputs])
+    got = run(scan_triton.selective_scan_triton, [t.detach().float().to(DEVICE).requires_grad_() for t in inputs])
     for name, a, b in zip(["y", "last", "u", "delta", "A", "B", "C", "D", "delta_bias", "z"], got, expected):
-        assert a.dtype == torch.float32 and relative_error(a, b) < 1e-5, name
+        assert a.dtype == torch.float32 and relative_error(a.cpu(), b) < 1e-5, name
