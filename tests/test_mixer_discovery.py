@@ -9,9 +9,7 @@ mixer that is not plain softmax attention. Each one found must be
 - part of a supported mixer: a submodule that a supported class builds (transitively) in its ``__init__`` and whose
   adapter explains it as part of its own operator (RecurrentGemma's RG-LRU, the KDA forget gates, ZAYA's CCA
   projection, Inkling2's key/value projections and their convolutions, xLSTM's kernel backend);
-- or listed in ``mamba_captum.families.catalogue.EXCLUDED`` with the reason it is left out;
-- or, while another change adds its adapter, in ``AWAITING_ADAPTERS`` below (counted as supported once it is in
-  ADAPTERS).
+- or listed in ``mamba_captum.families.catalogue.EXCLUDED`` with the reason it is left out.
 
 A new unlisted one fails with its class name, model type, file and signals. The other direction: every catalogued
 or supported class that the installed transformers defines must be found by the detector (a weakened signal, or an
@@ -45,9 +43,6 @@ NOT_DETECTED = {
                              "one-dimensional mixers; 2-D vision convolutions are everywhere in vision backbones)",
     "Lfm3VlVisionAttention": "softmax attention over packed patches, supported for its per-image segments",
 }
-# Mixers of new model types whose adapters other changes are adding: tolerated while absent from ADAPTERS, supported
-# as soon as they are in it (never catalogued as excluded). class name -> model type.
-AWAITING_ADAPTERS = {"LaraMiniGatedDeltaNet": "lara_mini", "Inkling2LoopShortConvolution": "inkling2_loop"}
 
 # ---------------------------------------------------------------------------------------------------------------
 # The signals, read in what a class runs: its __init__ (its parameters and submodules), its forward (or __call__),
@@ -552,7 +547,7 @@ def _without_cyclic_gc():
 def survey() -> Survey:
     """Read every modeling file of the installed transformers, one at a time (what the tests need of them)."""
     facts: dict[tuple[str, str], ClassFacts] = {}  # (model type, class) -> its facts
-    wanted = {*families.ADAPTERS, *AWAITING_ADAPTERS}
+    wanted = set(families.ADAPTERS)
     with _without_cyclic_gc():
         for path in sorted(MODELS.glob("*/modeling_*.py")):
             modeling = ModelingFile(path)
@@ -580,7 +575,7 @@ def inside_supported() -> dict[str, str]:
 
 def classify() -> dict[str, tuple[str, str]]:
     """Every discovered class -> (status, detail): ("supported", its adapter module), ("inside", the supported class
-    that builds it), ("excluded", the catalogue's reason), ("awaiting adapter", model type) or ("unlisted", "")."""
+    that builds it), ("excluded", the catalogue's reason) or ("unlisted", "")."""
     inside = inside_supported()
     table = {}
     for name in survey().found:
@@ -590,8 +585,6 @@ def classify() -> dict[str, tuple[str, str]]:
             table[name] = ("inside", inside[name])
         elif name in catalogue.EXCLUDED:
             table[name] = ("excluded", catalogue.EXCLUDED[name][1])
-        elif name in AWAITING_ADAPTERS:
-            table[name] = ("awaiting adapter", AWAITING_ADAPTERS[name])
         else:
             table[name] = ("unlisted", "")
     return table
@@ -625,10 +618,10 @@ def test_the_detector_finds_every_catalogued_and_supported_class_the_installed_t
         elif model_type not in {f.model_type for f in found[name]}:
             missed.append(f"{name}: catalogued under model type {model_type!r}, found in "
                           f"{sorted(f.model_type for f in found[name])}")
-    for name in [*families.ADAPTERS, *AWAITING_ADAPTERS]:
+    for name in families.ADAPTERS:
         if name in defined and name not in NOT_DETECTED and name not in found \
                 and not survey().descendants[name] & set(found):
-            missed.append(f"{name} (supported or awaited, defined in {sorted(defined[name])}): not found, nor any "
+            missed.append(f"{name} (supported, defined in {sorted(defined[name])}): not found, nor any "
                           "mixer it builds")
     assert not missed, "\n".join(missed)
 
@@ -641,7 +634,6 @@ def test_the_catalogue_is_consistent_and_documented():
         assert isinstance(entry, tuple) and len(entry) == 2 and all(isinstance(part, str) and part for part in entry), \
             name
         assert name not in families.ADAPTERS, f"{name} is both supported and excluded"
-        assert name not in AWAITING_ADAPTERS, f"{name} is awaited: it must not be excluded"
     assert set(catalogue.DECODER_MIXERS) <= set(catalogue.EXCLUDED)
 
 
