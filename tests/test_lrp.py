@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import mamba_captum as mc
 from mamba_captum import rules
 from mamba_captum.capture import ATTENTION_PATCH
-from tiny_models import make_model
+from tiny_models import LINEAR_CONFIGS, make_model
 
 TARGET = 5
 
@@ -160,6 +160,8 @@ CONSERVING = {"mamba": dict(use_bias=True), "falcon_mamba": dict(use_bias=True),
               "kimi_linear": dict(attention_bias=True), "bailing_hybrid": dict(attention_bias=True), "minimax": {},
               "lfm2": dict(conv_bias=True), "lfm2_moe": dict(conv_bias=True), "lfm3": dict(conv_bias=True),
               "xlstm": dict(use_bias=True)}
+if "lara_mini" in LINEAR_CONFIGS:  # transformers >= 5.24
+    CONSERVING["lara_mini"] = dict(attention_bias=True)
 NO_BIASES = {"minimax"}  # no bias anywhere in these configs
 
 
@@ -234,7 +236,7 @@ def test_mamba1_matches_a_reference_written_from_the_paper():
 # -- every covered family: the modified forward, Captum's conventions, padding, nothing left behind -----------------
 HYBRIDS = ["jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "zamba"]
 LINEAR = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear", "bailing_hybrid", "minimax", "lfm2",
-          "lfm2_moe", "lfm3"]
+          "lfm2_moe", "lfm3"] + [family for family in ("lara_mini",) if family in LINEAR_CONFIGS]  # lara_mini: >= 5.24
 MASKED = MAMBA1 + ["mamba2"] + HYBRIDS + LINEAR  # families whose mixers take attention_mask (left padding)
 RECURRENT = ["rwkv", "recurrent_gemma", "xlstm"]  # mixers that ignore attention_mask: right padding only
 SOFTMAX = set(HYBRIDS) | set(LINEAR) | {"recurrent_gemma"}  # families with softmax attention layers
@@ -487,3 +489,133 @@ def test_a_compiled_model_gives_the_plain_models_relevance():
     compiled = torch.compile(model)
     assert torch.equal(mc.MambaLRP(compiled).attribute(ids, target=3), plain)  # the session runs it eagerly
     assert no_hooks_left(model)
+
+
+# -- the run-time conservation guard ----------------------------------------------------------------------------------
+GUARD_MESSAGE = (r"relevance out − relevance in − its biases' share = (?P<gap>[0-9.e+-]+) for example \d+, "
+                 r"(?P<relative>[0-9.e+-]+) relative to the relevance through it \([0-9.e+-]+\), above the "
+                 r"(?P<dtype>\w+) tolerance (?P<tolerance>[0-9.e+-]+)")
+
+
+def _gradient_scaled_half_product(a, b):
+    """The half rule with the gradient 1.01 times too large and the value unchanged: a mistaken rule that the value
+    check (ReconstructionError) cannot see."""
+    return 0.505 * a * b.detach() + 0.505 * a.detach() * b - (0.01 * a * b).detach()
+
+
+def _stabilised_identity_rule(x, activated):
+    """The identity rule with the ratio act(x) / (x + 1e-6·sign x) (a stabiliser, as the authors' code has) and the
+    value kept: relevance ≠ value by ~1e-6 / |x|, far inside the value check's tolerance."""
+    ratio = activated.detach() / (x.detach() + 1e-6 * torch.sign(x.detach()))
+    return x * ratio + (activated - x * ratio).detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_rule_with_a_wrong_gradient_raises_instead_of_returning(monkeypatch, dtype):
+    """A rule whose gradient no longer matches its value keeps the modified forward's value (no ReconstructionError)
+    but leaks relevance: the guard raises, naming the module, the measured gap and the tolerance."""
+    import re
+
+    from mamba_captum.lrp import conservation_tolerance
+
+    model = make_model("jamba", dtype=dtype)
+    ids = torch.randint(3, 64, (2, 7))
+    method = mc.MambaLRP(model)
+    method.attribute(ids, target=TARGET)  # conserves as it is
+    monkeypatch.setattr(rules, "half_product", _gradient_scaled_half_product)
+    with pytest.raises(mc.ConservationError, match=r"not conserved through model\.layers\.\d+\.feed_forward "
+                                                   r"\(JambaMLP\)") as raised:
+        method.attribute(ids, target=TARGET)
+    found = re.search(GUARD_MESSAGE, str(raised.value))
+    assert found, str(raised.value)
+    tolerance = conservation_tolerance(dtype)["module"]
+    assert float(found["tolerance"]) == tolerance and found["dtype"] == str(dtype).removeprefix("torch.")
+    # the leak is 1 % of the relevance through the product, which is at most Σ|∂f̃/∂x ⊙ x|: at most 1 % relative
+    assert float(found["gap"]) > 0 and tolerance < float(found["relative"]) <= 1e-2
+    assert isinstance(raised.value, mc.ReconstructionError)  # one except clause catches both checks
+    assert no_hooks_left(model) and torch.is_grad_enabled()
+
+
+def test_a_changed_epsilon_is_caught_in_float64(monkeypatch):
+    """A stabiliser of 1e-6 in the identity rule's ratio: the relevance of every RMS norm and MLP is off by ~1e-6,
+    which float64's module tolerance (1e-11) sees."""
+    model = make_model("mamba", dtype=torch.float64)
+    ids = torch.randint(3, 64, (1, 6))
+    monkeypatch.setattr(rules, "identity_rule", _stabilised_identity_rule)
+    with pytest.raises(mc.ConservationError, match=r"not conserved through backbone\.layers\.0\.norm \(MambaRMSNorm\)"
+                                                   r".* above the float64 tolerance 1e-11"):
+        mc.MambaLRP(model).attribute(ids, target=TARGET)
+
+
+def test_scaling_a_rules_output_is_caught_by_the_value_check(monkeypatch):
+    """A rule whose output is 1.01 times the module's (value and gradient alike) still conserves (the engine passes the
+    rule's value on), and the module check against the real output raises."""
+    model = make_model("jamba")
+    monkeypatch.setattr(rules, "half_product", lambda a, b: 1.01 * (0.5 * a * b.detach() + 0.5 * a.detach() * b))
+    with pytest.raises(mc.ReconstructionError, match="JambaMLP.*does not reproduce"):
+        mc.MambaLRP(model).attribute(torch.randint(3, 64, (1, 6)), target=TARGET)
+
+
+def test_a_non_linear_step_outside_the_rules_fails_the_whole_model_check():
+    """A step the library reads as linear that is not (here a forward hook squashing a block's output, as a changed
+    decoder layer would), or a non-linear step of a forward_func before the model's head: every module conserves,
+    the sum does not. After the head, a forward_func is differentiated as it is (the evaluation explains
+    log-probabilities): the check stops at the head."""
+    model = make_model("mamba")
+    ids = torch.randint(3, 64, (2, 6))
+    handle = model.backbone.layers[0].register_forward_hook(lambda module, args, output: torch.tanh(output))
+    try:
+        with pytest.raises(mc.ConservationError, match=r"over the whole model: .* = [0-9.e+-]+ for example \d+, .*"
+                                                       r"above the float32 tolerance"):
+            mc.MambaLRP(model).attribute(ids, target=TARGET)
+    finally:
+        handle.remove()
+
+    def squashed_head(ids, attention_mask=None):
+        return model.lm_head(torch.tanh(model.backbone(ids).last_hidden_state))[:, -1]
+
+    with pytest.raises(mc.ConservationError, match="forward_func before the model's head"):
+        mc.MambaLRP(model, forward_func=squashed_head).attribute(ids, target=TARGET)
+    log_probabilities = lambda ids, attention_mask=None: model(ids).logits[:, -1].log_softmax(-1)  # noqa: E731
+    relevance = mc.MambaLRP(model, forward_func=log_probabilities).attribute(ids, target=TARGET)
+    assert torch.isfinite(relevance).all() and no_hooks_left(model)
+
+
+def test_a_float32_conv_in_a_float64_model_conserves_and_the_guard_names_a_rounded_rule(monkeypatch):
+    """transformers 5.24 keeps BailingHybrid's conv1d in float32 in a float64 model (_keep_in_fp32_modules_strict):
+    the KDA rule runs it in the work dtype, so the relevance still sums to the logit; run in float32 (as before the
+    fix), the gap (~1e-8) is the guard's, naming the layer."""
+    from mamba_captum.families import kda
+
+    model = make_model("bailing_hybrid", dtype=torch.float64, **EXACT)
+    zero_biases(model)
+    model.model.layers[0].self_attn.conv1d.float()  # 5.24's layout, whichever transformers runs the test
+    ids = torch.randint(3, 64, (2, 9))
+    relevance, delta = mc.MambaLRP(model, forward_func=float64_head(model)).attribute(
+        ids, target=TARGET, return_convergence_delta=True)
+    assert (delta.abs() <= 1e-13 * relevance.abs().sum(-1).clamp(min=1.0)).all()
+    rounded = kda.causal_conv
+    monkeypatch.setattr(kda, "causal_conv", lambda x, conv, dtype=None: rounded(x, conv))  # the conv's own dtype
+    with pytest.raises(mc.ConservationError, match=r"model\.layers\.0\.self_attn \(BailingHybridDeltaAttention\).* "
+                                                   r"above the float64 tolerance"):
+        mc.MambaLRP(model, forward_func=float64_head(model)).attribute(ids, target=TARGET)
+
+
+def test_the_guard_checks_frozen_biases_and_leaves_them_frozen():
+    """A frozen model (requires_grad False) keeps every module's check: the rules' biases require grad for the call
+    only (their shares come from their gradients), and no comparison is skipped."""
+    import warnings
+
+    from mamba_captum.lrp import ConservationGap
+
+    model = make_model("mamba2", **CONSERVING["mamba2"])
+    spread_biases(model)
+    model.requires_grad_(False)
+    measured: list[ConservationGap] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        mc.MambaLRP(model)._explain(torch.randint(3, 64, (2, 6)), TARGET, None, None, None, {}, measured=measured)
+    mixers = [gap for gap in measured if "Mamba2Mixer" in gap.where]
+    assert len(mixers) == 2 and all(gap.example is None for gap in mixers)  # biased: compared over the batch
+    assert all(gap.relative <= gap.tolerance for gap in measured)
+    assert not any(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())

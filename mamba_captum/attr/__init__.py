@@ -1,11 +1,11 @@
 """The Captum attribution classes built on the implicit-attention engine (DESIGN.md §1, §4)."""
 from ._base import RECIPES, ImplicitAttentionMethod
 from .attribution import GRADIENT_RULES, MambaAttribution
-from .lrp import MambaLRP
+from .lrp import ConservationError, MambaLRP
 from .raw_attention import MambaRawAttention
 from .rollout import MambaRollout
 from .rwkv_attribution import RWKVAttribution
 from .selection_attribution import SPREADS, MambaSelectionAttribution
 
-__all__ = ["GRADIENT_RULES", "RECIPES", "SPREADS", "ImplicitAttentionMethod", "MambaAttribution", "MambaLRP",
-           "MambaRawAttention", "MambaRollout", "MambaSelectionAttribution", "RWKVAttribution"]
+__all__ = ["GRADIENT_RULES", "RECIPES", "SPREADS", "ConservationError", "ImplicitAttentionMethod",
+           "MambaAttribution", "MambaLRP", "MambaRawAttention", "MambaRollout", "MambaSelectionAttribution", "RWKVAttribution"]

@@ -7,23 +7,59 @@ data-dependent factors detached (Mamba's Δ, B, C; RWKV's normaliser; softmax pr
 normalisers detached, SiLU / sigmoid / GELU by the identity rule, multiplicative gates by the half rule. f̃ has the
 model's value and is linear in the embeddings and the biases, so Σ_t R[b, t] = logit − (the biases' share)
 (``return_convergence_delta=True`` gives that difference). Per family: docs/methods/lrp.md.
+
+Every call checks that identity at run time, from its own backward pass (:class:`mamba_captum.lrp.ConservationLedger`):
+per replaced module and per example, relevance out − relevance in = the share of the biases it reads, and over the
+whole model Σ relevance + the biases' share = the explained score; beyond the dtype's tolerance
+(:data:`mamba_captum.lrp.CONSERVATION_TOLERANCE`) it raises :class:`ConservationError` instead of returning.
 """
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 
 from .. import families, rules
-from ..attention import _model_dtype
+from ..attention import ReconstructionError, _model_dtype
 from ..checks import check_finite, check_forward_devices, check_inputs, unwrap_parallel
+from ..dispatch import is_dispatched
 from ..families.layers import lrp_plan
 from ..fast_scans import fast_scans
-from ..lrp import LRPForward
+from ..lrp import ConservationGap, LRPForward, requiring_grad, rule_biases
 from ..session import session
-from ._explain import Runner, format_inputs, format_mask, format_positions, format_targets
+from ._explain import Runner, format_inputs, format_mask, format_positions, format_targets, scaled_grad
+
+
+class ConservationError(ReconstructionError):
+    """MambaLRP's relevance is not conserved: through one replaced module (relevance out − relevance in − the share
+    of its biases), or over the whole model (Σ relevance + the biases' share − the explained score as it enters the
+    model's output head), beyond the dtype's tolerance (:data:`mamba_captum.lrp.CONSERVATION_TOLERANCE`). The
+    relevance is not returned."""
+
+
+def _conservation_error(gap: ConservationGap, dtype, failing: int) -> ConservationError:
+    """The error for the first failed comparison (``failing``: how many failed in all)."""
+    per = "over the batch" if gap.example is None else f"for example {gap.example}"
+    others = f" ({failing - 1} other comparison{'s' if failing > 2 else ''} failed too)" if failing > 1 else ""
+    scale = "the largest of these terms" if gap.where == "the whole model" else "the relevance through it"
+    measured = (f"{gap.gap:.3g} {per}, {gap.relative:.3g} relative to {scale} ({gap.scale:.3g}), above the "
+                f"{str(dtype).replace('torch.', '')} tolerance {gap.tolerance:g}{others}")
+    if gap.where == "the whole model":
+        return ConservationError(
+            "mamba_captum: MambaLRP's relevance is not conserved over the whole model: Σ relevance + the biases' share "
+            f"− the explained score (as it enters the model's output head) = {measured}. Every module with a rule "
+            "conserved, so a step between them is not linear: a module the library reads as linear whose forward "
+            "changed (a newer transformers release), a forward hook that changes an output non-linearly, or a "
+            "non-linear step of a forward_func before the model's head (after it, a forward_func is differentiated as "
+            "it is). Please report the model class, its config and the transformers version.")
+    return ConservationError(
+        f"mamba_captum: MambaLRP's relevance is not conserved through {gap.where}: relevance out − relevance in − its "
+        f"biases' share = {measured}. Its rule no longer matches what the module "
+        "computes (a transformers release that changed the module, or a step of its rule run in a lower precision); "
+        "the relevance is not returned. Please report the model class, its config and the transformers version.")
 
 
 def _drops(module) -> bool:
@@ -102,6 +138,12 @@ class MambaLRP(GradientAttribution):
             (B, L) for token ids: Σ_d E · ∂score/∂E over each token's embedding; (B, L, D) for embeddings: the
             per-feature gradient × input (it sums over D to the token relevance); a 1-tuple when ``inputs`` was a
             tuple; with ``return_convergence_delta``, ``(attributions, delta)``, delta (B,).
+
+        Raises:
+            ConservationError: the relevance is not conserved through a module (naming it) or over the whole model,
+                beyond the dtype's tolerance (the measured gap and the tolerance in the message): a rule that no
+                longer matches its module, or a step read as linear that is not. Nothing is returned.
+            ReconstructionError: a module's rule does not give the module's real output.
         """
         inputs_tensor, was_tuple = format_inputs(inputs)
         with rules.sigmoid_gates(sigmoid_gates):
@@ -111,9 +153,15 @@ class MambaLRP(GradientAttribution):
         return (out, delta) if return_convergence_delta else out
 
     def _explain(self, inputs, target, additional_forward_args, attention_mask, position, forward_kwargs,
-                 parameters=None):
+                 parameters=None, measured=None):
         """(relevance, delta); with ``parameters`` (tensors that require grad, e.g. the biases) also
-        Σ_p ⟨∂ Σ_b score_b / ∂p, p⟩ under the rules, their share of the explained scores (the tests' bias share)."""
+        Σ_p ⟨∂ Σ_b score_b / ∂p, p⟩ under the rules, their share of the explained scores (the tests' bias share).
+
+        The conservation guard (:class:`mamba_captum.lrp.ConservationLedger`) compares, from the same backward pass,
+        every replaced module's relevance in and out and the whole model's sum with the explained score, and raises
+        :class:`ConservationError` beyond the dtype's tolerance; given a list as ``measured``, it appends the
+        comparisons (:class:`mamba_captum.lrp.ConservationGap`) there instead of raising (the benchmark's figures).
+        """
         runner = self._runner
         runner.refresh()
         plan = lrp_plan(self.model, runner.mixers)
@@ -145,8 +193,12 @@ class MambaLRP(GradientAttribution):
             embeddings = None if floating else self.model.get_input_embeddings()
             forward = LRPForward(plan, embeddings, mask, work_dtype, model_dtype, self.model)
             runner._active.add(forward)
+            requested = list(parameters or ())
+            # the rules' biases require grad for the call (restored after): the guard reads their shares from their
+            # gradients. Not an offloaded model's: accelerate swaps its placeholders, which would keep the flag
+            biases = [] if is_dispatched(self.model) else rule_biases(plan) + forward.ledger.outside_biases
             try:
-                with torch.enable_grad(), fast_scans(self.model), forward:
+                with torch.enable_grad(), fast_scans(self.model), requiring_grad(biases), forward:
                     output = runner._call(call_inputs, args, kwargs, attention_mask)
                     scores, positions = runner._scores(output, inputs, positions, mask, attention_mask)
                     if scores is None:
@@ -160,8 +212,15 @@ class MambaLRP(GradientAttribution):
                     if not picked.requires_grad:
                         raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (a forward_func "
                                            "that detaches them, or runs the model under torch.no_grad).")
-                    grad, *parameter_grads = torch.autograd.grad(picked.sum(), [leaf, *(parameters or ())],
-                                                                 allow_unused=True)
+                    # the guard's biases (those the rules read) join the same backward: a sum over (B, L) per bias,
+                    # no extra pass. A float16 backward is loss-scaled (one more backward, as for the gradient
+                    # methods): unscaled, the gradients below float16's range flush to zero and their relevance is lost
+                    read = [p for unit in forward.ledger.units for p in unit.biases] + forward.ledger.outside_biases
+                    guard_biases = list({id(p): p for p in read if p.requires_grad and not p.is_meta
+                                         and all(p is not q for q in requested)}.values())
+                    loss_scale = {}
+                    grad, *parameter_grads = scaled_grad(picked.sum(), [leaf, *requested, *guard_biases],
+                                                         retain_graph=False, memo=loss_scale)
             finally:
                 runner._active.discard(forward)
         if grad is None:
@@ -170,6 +229,20 @@ class MambaLRP(GradientAttribution):
         per_feature = grad.detach().double() * leaf.detach().double()  # sums in float64 whatever the model's dtype
         token = per_feature.sum(-1)
         delta = token.sum(-1) - picked.detach().double()
+        bias_grads = {id(p): g for p, g in zip([*requested, *guard_biases], parameter_grads)}
+        gaps = forward.ledger.gaps(token.sum(-1), token.abs().sum(-1), picked, bias_grads, model_dtype,
+                                   grad_scale=loss_scale.get("scale", 1.0))
+        if forward.ledger.skipped:
+            warnings.warn("mamba_captum: MambaLRP's conservation guard could not compare "
+                          f"{', '.join(forward.ledger.skipped)}; the relevance there is returned unchecked.",
+                          RuntimeWarning, stacklevel=3)
+        if measured is not None:
+            measured.extend(gaps)
+        else:
+            failed = [gap for gap in gaps if not gap.relative <= gap.tolerance]
+            if failed:
+                raise _conservation_error(failed[0], model_dtype, len(failed))
+        parameter_grads = parameter_grads[:len(requested)]
         relevance = per_feature.to(inputs.dtype) if floating else token.to(
             torch.float64 if model_dtype == torch.float64 else torch.float32)
         if parameters is not None:

@@ -1,6 +1,7 @@
 """Gated delta-net: Qwen3NextGatedDeltaNet (qwen3_next), Qwen3_5GatedDeltaNet / Qwen3_5MoeGatedDeltaNet (qwen3_5,
-qwen3_5_moe), Qwen4ExpTextGatedDeltaNet (qwen4_exp), OlmoHybridGatedDeltaNet (olmo_hybrid); the softmax layers of
-these hybrids are softmax layers (:mod:`.softmax`). The pieces shared with KDA (:mod:`.kda`) live here.
+qwen3_5_moe), Qwen4ExpTextGatedDeltaNet (qwen4_exp), OlmoHybridGatedDeltaNet (olmo_hybrid), LaraMiniGatedDeltaNet
+(lara_mini, transformers ≥ 5.24); the softmax layers of these hybrids are softmax layers (:mod:`.softmax`). The pieces
+shared with KDA (:mod:`.kda`) live here.
 
 Forward (transformers 5.23, ``Qwen3NextGatedDeltaNet.forward``): ``h·m`` (pads zeroed); q, k, v, z, b, a from the
 input projections (Qwen3-Next: one interleaved ``in_proj_qkvz`` / ``in_proj_ba``; Qwen3.5 and Qwen4-exp:
@@ -8,7 +9,10 @@ input projections (Qwen3-Next: one interleaved ``in_proj_qkvz`` / ``in_proj_ba``
 by d_k^−½, key heads repeated for the value heads; ``β = σ(b)`` (×2 where ``allow_neg_eigval``),
 ``g = −exp(A_log)·softplus(a + dt_bias)``; ``o = delta_rule(q, k, v, g, β)``; ``out = out_proj(ν·act(z)·o)``
 with ν the gated RMS norm's scale (weight / rms over the head's value channels, before the gate) and act its gate
-activation (silu; Qwen4-exp's ``output_gate_type`` may make it sigmoid).
+activation (silu; Qwen4-exp's ``output_gate_type`` may make it sigmoid). LaraMini's mixer is Qwen3.5's (same
+projections, conv, gates and kernel call); only its gated norm differs, applying its weight in float32 (Qwen3.5: in the
+input dtype), the same ν to rounding. Its published checkpoints fuse the four input projections into one ``in_proj``,
+which transformers splits on loading: the loaded module has Qwen3.5's names.
 
 hidden:  α_h[t, s] = q_tᵀ (I − β_t k_t k_tᵀ) D_t ⋯ (I − β_{s+1} k_{s+1}k_{s+1}ᵀ) D_{s+1} β_s k_s   over v (after conv).
 unified: H_c = diag(ν_c · act(z_c)) · α_h · diag(σ(pre_c)·m) · M_c   for value channel c of head h,  over v before
@@ -29,7 +33,7 @@ from .mamba import _masked
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet")
+                 "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet")
 
 
 def silu_mixer(call, why: str):
@@ -40,13 +44,13 @@ def silu_mixer(call, why: str):
     return mixer
 
 
-def conv_inputs(call, why: str):
+def conv_inputs(call, why: str, conv_dtype: torch.dtype | None = None):
     """What :func:`rebuild` and :func:`lrp` both start from: (mixer, masked input h, the projections
-    (q, k, v, z, b, a), the conv's pre-activation over cat(q, k, v))."""
+    (q, k, v, z, b, a), the conv's pre-activation over cat(q, k, v), in ``conv_dtype``: see :func:`causal_conv`)."""
     mixer = silu_mixer(call, why)
     h = _masked(call.hidden_states, call.attention_mask)
     pieces = projections(mixer, h)
-    return mixer, h, pieces, causal_conv(torch.cat(pieces[:3], dim=-1), mixer.conv1d)
+    return mixer, h, pieces, causal_conv(torch.cat(pieces[:3], dim=-1), mixer.conv1d, conv_dtype)
 
 
 def projections(mixer, h):
@@ -80,11 +84,16 @@ def gated_rms_scale(mixer_norm, output):
     return mixer_norm.weight.to(output.dtype) * inv_rms
 
 
-def causal_conv(x, conv):
-    """The depthwise causal conv's pre-activation (B, L, C), in the conv's dtype."""
+def causal_conv(x, conv, dtype: torch.dtype | None = None):
+    """The depthwise causal conv's pre-activation (B, L, C), x (B, L, C), in ``dtype``, by default the conv's (as
+    HF runs it: the maps reproduce that). MambaLRP's rules pass their work dtype: a conv kept in float32 inside a
+    float64 model (transformers ≥ 5.24 keeps BailingHybrid's ``conv1d`` in float32) would otherwise round the
+    relevance path, and the relevance would no longer sum to the modified forward's value."""
+    dtype = conv.weight.dtype if dtype is None else dtype
     kernel = conv.weight.shape[-1]
     length = x.shape[1]
-    return F.conv1d(x.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias, padding=kernel - 1,
+    bias = None if conv.bias is None else conv.bias.to(dtype)
+    return F.conv1d(x.transpose(1, 2).to(dtype), conv.weight.to(dtype), bias, padding=kernel - 1,
                     groups=x.shape[-1])[..., :length].transpose(1, 2)
 
 
@@ -204,7 +213,8 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     projections and the conv (linear), the values' SiLU by the identity rule, the delta rule's core α (q, k, β and
     the decay g: the layer's selection) detached, so the output is linear in the values; the gated RMS norm's
     normaliser detached and its gate by :func:`output_gate`. (B, L, D), float64."""
-    mixer, h, (query, key, value, z, b, a), conv_pre = conv_inputs(call, "MambaLRP's rules are written for silu")
+    mixer, h, (query, key, value, z, b, a), conv_pre = conv_inputs(call, "MambaLRP's rules are written for silu",
+                                                                   work_dtype)
     key_dim = mixer.key_dim
     with torch.no_grad():
         mixed = F.silu(conv_pre)

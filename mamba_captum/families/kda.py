@@ -24,15 +24,15 @@ from .unhooked import run
 MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
 
 
-def _pieces(call, why: str, work_dtype: torch.dtype):
+def _pieces(call, why: str, work_dtype: torch.dtype, conv_dtype: torch.dtype | None = None):
     """What :func:`rebuild` and :func:`lrp` both start from: (mixer, masked input h, q/k/v width, the conv's
-    pre-activation over cat(q, k, v), the delta-rule core (detached: the operator's and the rules' alike), the gate's
-    input, the gated norm and out_proj)."""
+    pre-activation over cat(q, k, v) in ``conv_dtype`` (None: the conv's own, as HF runs it), the delta-rule core
+    (detached: the operator's and the rules' alike), the gate's input, the gated norm and out_proj)."""
     mixer = silu_mixer(call, why)
     h = _masked(call.hidden_states, call.attention_mask)
     width = mixer.qkv_dim
     conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
-                           mixer.conv1d)
+                           mixer.conv1d, conv_dtype)
     batch, length, _ = h.shape
     with torch.no_grad():
         mixed = F.silu(conv_pre)
@@ -63,8 +63,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
 def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     """The layer's output under MambaLRP-style rules (:func:`.gated_deltanet.delta_rule_lrp`): the per-channel
     decays, β, q and k detached, the values' SiLU by the identity rule, the σ-gated norm's normaliser detached and
-    its sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D), float64."""
+    its sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`. The conv runs in the work dtype, whatever dtype the
+    model keeps it in (transformers ≥ 5.24 keeps BailingHybrid's in float32): a relevance path rounded to float32
+    would break conservation in a float64 model. (B, L, D), float64."""
     mixer, _, width, conv_pre, core, gate_input, norm, out_proj = _pieces(
-        call, "MambaLRP's rules are written for silu", work_dtype)
+        call, "MambaLRP's rules are written for silu", work_dtype, conv_dtype=work_dtype)
     return delta_rule_lrp(core, conv_pre[..., 2 * width:], gate_input, norm, out_proj, mixer.num_heads,
                           mixer.head_dim, work_dtype)
