@@ -84,6 +84,32 @@ def test_offloaded_model_gives_the_undispatched_models_results(family, tmp_path)
                and module._hf_hook.weights_map is not None)
 
 
+def test_lrp_guard_checks_a_frozen_model_dispatched_without_offloading():
+    """A frozen model spread by accelerate over devices without offloading (device_map="auto" over two GPUs, here
+    two CPU entries with hooks forced): its weights stay in place, so MambaLRP's guard still reads the biases'
+    shares (no module returned unchecked), and every requires_grad flag is restored."""
+    import warnings
+
+    from accelerate import dispatch_model
+
+    model = make_model("mamba")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.3)  # non-zero biases: each has a share the guard must read
+    ids = torch.randint(3, 64, (2, 9))
+    expected = mc.MambaLRP(model).attribute(ids, target=5)
+    placement = {"backbone.embeddings": "cpu", "backbone.layers": "cpu", "backbone.norm_f": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(model, device_map=placement, main_device="cpu", force_hooks=True)
+    assert is_dispatched(model) and not offloaded(model)
+    model.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # "the relevance there is returned unchecked"
+        got = mc.MambaLRP(model).attribute(ids, target=5)
+    assert relative_error(got, expected) <= 1e-6
+    assert not any(parameter.requires_grad for parameter in model.parameters())
+
+
 def test_an_ancestor_hook_that_preloads_the_whole_backbone(tmp_path):
     """cpu_offload with preload_module_classes: one hook on the backbone loads all of it in its forward; the rebuild
     loads only the layer it explains, and puts it back."""

@@ -195,8 +195,10 @@ class MambaLRP(GradientAttribution):
             runner._active.add(forward)
             requested = list(parameters or ())
             # the rules' biases require grad for the call (restored after): the guard reads their shares from their
-            # gradients. Not an offloaded model's: accelerate swaps its placeholders, which would keep the flag
-            biases = [] if is_dispatched(self.model) else rule_biases(plan) + forward.ledger.outside_biases
+            # gradients. Not an offloaded module's (meta at rest): accelerate swaps its placeholders, which would keep
+            # the flag; a dispatched model's resident weights (no offloading) stay in place and are set like any other
+            offloading = is_dispatched(self.model)
+            biases = [p for p in rule_biases(plan) + forward.ledger.outside_biases if not (offloading and p.is_meta)]
             try:
                 with torch.enable_grad(), fast_scans(self.model), requiring_grad(biases), forward:
                     output = runner._call(call_inputs, args, kwargs, attention_mask)
