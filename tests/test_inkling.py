@@ -77,35 +77,31 @@ def inkling_mm_model(dtype=torch.float32, **kw):
     return _liven_convolutions(model)
 
 
-def inkling2_text(dtype=torch.float32, **kw):
-    options = dict(vocab_size=V, unpadded_vocab_size=V, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2,
-                   swa_head_dim=8, sliding_window_size=6, d_rel=4, rel_extent=8, conv_kernel_size=3,
-                   moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, log_scaling_n_floor=4,
-                   layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding"], n_layers_per_attn_res_block=2,
-                   pad_token_id=0)
-    options.update(kw)
-    model = _build(tf.AutoConfig.for_model("inkling2_text", **options), dtype)
+INKLING2_OPTIONS = dict(vocab_size=V, unpadded_vocab_size=V, hidden_size=32, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+                        swa_head_dim=8, sliding_window_size=6, d_rel=4, rel_extent=8, conv_kernel_size=3,
+                        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, log_scaling_n_floor=4,
+                        n_layers_per_attn_res_block=2, pad_token_id=0)
+
+
+def _inkling2(model_type, dtype, options):
+    model = _build(tf.AutoConfig.for_model(model_type, **options), dtype)
     for layer in model.model.layers:  # its router multiplies float32 hidden states by the gate's weight
         layer.mlp.gate.float()
     return _liven_convolutions(model)
+
+
+def inkling2_text(dtype=torch.float32, **kw):
+    return _inkling2("inkling2_text", dtype, {**INKLING2_OPTIONS, "num_hidden_layers": 3,
+                                              "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"], **kw})
 
 
 def inkling2_loop_text(dtype=torch.float32, **kw):
     """Six layers, sliding and full in turn, blocks of two; layers 2 and 3 (one of each) run three times: the decoder-
     layer calls are 0, 1, 2, 3, 2, 3, 2, 3, 4, 5."""
-    options = dict(vocab_size=V, unpadded_vocab_size=V, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2,
-                   swa_head_dim=8, sliding_window_size=6, d_rel=4, rel_extent=8, conv_kernel_size=3,
-                   moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, log_scaling_n_floor=4,
-                   layer_types=["hybrid_sliding", "hybrid"] * 3, n_layers_per_attn_res_block=2,
-                   loop_layer_index_start=2, loop_layer_index_end=4, loop_num_passes=3, loop_gate_rank=8,
-                   pad_token_id=0)
-    options.update(kw)
-    model = _build(tf.AutoConfig.for_model("inkling2_loop_text", **options), dtype)
-    for layer in model.model.layers:  # its router multiplies float32 hidden states by the gate's weight
-        layer.mlp.gate.float()
-    return _liven_convolutions(model)
+    return _inkling2("inkling2_loop_text", dtype, {
+        **INKLING2_OPTIONS, "num_hidden_layers": 6, "layer_types": ["hybrid_sliding", "hybrid"] * 3,
+        "loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 3, "loop_gate_rank": 8, **kw})
 
 
 BUILDERS = {"inkling_text": inkling_text, "inkling_mm_model": inkling_mm_model, "inkling2_text": inkling2_text,
