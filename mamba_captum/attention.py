@@ -7,30 +7,19 @@ import torch
 
 from . import families
 from .capture import LayerCapture, Trace
-from .checks import (NonFiniteError, check_finite, check_inputs, check_keywords, check_mask, index_list,
-                     check_forward_devices, underlying_forward,
-                     nonfinite_parameters, unwrap_parallel)
+from .checks import (check_finite, check_inputs, check_keywords, check_mask, index_list,
+                     check_forward_devices, model_dtype, underlying_forward, unwrap_parallel)
 from .dispatch import loaded_weights
 from .fast_scans import fast_scans
 from .families import softmax
+from .layout import check_packed, check_pixels, packed_tower, vision_layout
 from .operators import REDUCTIONS, ComposedOperator, SumOperator, operator_output_grad
 from .session import session
-from .vision.layout import check_packed, check_pixels, packed_tower, vision_layout
+# ReconstructionError and TOLERANCE are defined with the check that uses them (the engine's verification) and
+# stay importable from here, where users met them
+from .verification import TOLERANCE, ReconstructionError, check_reconstruction  # noqa: F401
 
 FORMULATIONS = ("unified", "hidden")
-# Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
-# what the library guarantees for y = H x (README, docs/robustness.md). Real mismatches (a variant the adapter does
-# not know) are O(1e-2) or more; HF runs some scans in float32 even for float64 models, hence the float64 bound.
-# Half precision: about ten units of the dtype's rounding (2^-11 float16, 2^-8 bfloat16), since the real output
-# itself is rounded to it at every step; measured worst over every family's tiny models: 1.0e-3 (float16),
-# 1.2e-2 (bfloat16) (tests/test_robustness.py).
-TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
-
-
-class ReconstructionError(RuntimeError):
-    """The operator rebuilt for a layer does not reproduce that layer's real output."""
-
-
 class LayerPartKey(str):
     """The map key of a token mixer run inside decoder layer ``layer`` besides the one under the int key ``layer``:
     the string ``"{layer}.{part}"``, ordered just after the int key ``layer`` (so ``sorted(maps)`` is execution
@@ -94,57 +83,6 @@ class SharedAttentionKey(LayerPartKey):
 
 # Maps saved with torch.save load back under torch.load's default weights_only=True.
 torch.serialization.add_safe_globals([SharedAttentionKey, LayerPartKey])
-
-
-def _model_dtype(model) -> torch.dtype:
-    for parameter in model.parameters():
-        if parameter.is_floating_point():
-            return parameter.dtype
-    return torch.float32
-
-
-def _user_hooked(module) -> list[str]:
-    """Submodules of a token mixer that carry forward hooks (the library removes its own before rebuilding)."""
-    return [name or type(module).__name__ for name, sub in module.named_modules()
-            if sub._forward_hooks or sub._forward_pre_hooks]
-
-
-def _check(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None, *,
-           module=None, layer_input=None):
-    """The relative error of the rebuilt layer output; raise if it is above the dtype's tolerance.
-
-    Raises:
-        NonFiniteError: the real output holds NaN or inf (naming the layer's non-finite weights, or its input).
-        ReconstructionError: the rebuilt output does not reproduce the real one.
-    """
-    if not bool(torch.isfinite(real).all()):
-        culprits = [] if module is None else nonfinite_parameters(module)
-        if culprits:
-            cause = f"non-finite weights: {', '.join(culprits)}; reload or repair them"
-        elif layer_input is not None and not bool(torch.isfinite(layer_input).all()):
-            cause = "its input already holds NaN or inf (an earlier layer, the embeddings or inputs_embeds)"
-        else:
-            cause = (f"its weights and input are finite, so it overflowed in {dtype}: run the model in float32, or "
-                     "for an attention layer try another attn_implementation (HF's eager attention gives NaN on "
-                     "fully padded rows in float64)")
-        raise NonFiniteError(f"mamba_captum: the output of {name} holds NaN or inf ({cause}). Implicit attention "
-                             "of non-finite numbers is meaningless.")
-    real, rebuilt = real.double(), rebuilt.double()
-    diff = (real - rebuilt).abs()
-    if rows_mask is not None:  # compare real tokens only: pad rows of softmax layers depend on the mask convention
-        keep = rows_mask.bool().reshape(*rows_mask.shape, *([1] * (diff.dim() - 2)))
-        diff, real = diff * keep, real * keep
-    error, scale = diff.max().item(), real.abs().max().item()
-    relative = error / scale if scale > 0 else error
-    if not relative <= TOLERANCE.get(dtype, 1e-3):
-        hooked = [] if module is None else _user_hooked(module)
-        hint = (f" Note: {', '.join(hooked)} of this layer carry forward hooks, which the rebuild (from the weights) "
-                "does not run; a hook that changes outputs makes the layer a different function." if hooked else "")
-        raise ReconstructionError(
-            f"mamba_captum: the operator rebuilt for {name} does not reproduce the layer's output "
-            f"(max abs error {error:.3g}, relative {relative:.3g}, tolerance {TOLERANCE.get(dtype, 1e-3):g}). "
-            "This layer variant is not supported as loaded; please report the model class and config." + hint)
-    return relative
 
 
 def _check_hooked(name: str, call, dtype: torch.dtype):
@@ -309,7 +247,7 @@ def _operator_grads(operator, call):
     return [operator_output_grad(operator, grad) for grad in call.output_grads]
 
 
-def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
+def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention_mask):
     """Rebuild and check the recorded layers one by one, in execution order: yields (key, operator, error, grads).
 
     ``grads`` is None unless a gradient method stored ``output_grads`` on the recorded calls; then it lists, per
@@ -319,7 +257,7 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
     recomputation alone reaches 1e-5); each operator is then cast to the maps' dtype: float64 for float64 models,
     float32 otherwise.
     """
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     token_mask = None if attention_mask is None else attention_mask.to(torch.float64)
     attention_calls: dict[int, list] = {}
@@ -352,8 +290,8 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                         f"mamba_captum: layer {index} ({type(call.module).__name__}) drops attention probabilities at "
                         f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
                         "recovered. Explain the model in eval() mode.")
-                error = _check(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                               token_mask, module=call.module, layer_input=call.value)
+                error = check_reconstruction(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
+                                             token_mask, module=call.module, layer_input=call.value)
                 attention_error = error if attention_error is None else max(attention_error, error)
             parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
             for call in calls:
@@ -377,9 +315,10 @@ def _operators(model, trace, decoder_layers, formulation, kept, attention_mask):
                     consumed_error = None
                 # a mixer around softmax attention is compared on its real rows, as the attention is: what fully masked
                 # (pad) query rows give depends on the attention implementation's convention
-                ssm_error = _check(f"layer {index} ({located.name}, {type(located.module).__name__})",
-                                   call.output, rebuilt, dtype, None if consumed_error is None else token_mask,
-                                   module=located.module, layer_input=call.hidden_states)
+                ssm_error = check_reconstruction(
+                    f"layer {index} ({located.name}, {type(located.module).__name__})", call.output, rebuilt, dtype,
+                    None if consumed_error is None else token_mask, module=located.module,
+                    layer_input=call.hidden_states)
                 if consumed_error is not None:
                     ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
                 if located.follows is not None:
@@ -455,8 +394,8 @@ def build_operators(model, input_ids=None, attention_mask=None, *, formulation="
         trace, output, decoder_layers, kept = _capture(model, input_ids, attention_mask, formulation, layers,
                                                        components, forward_kwargs)
         with torch.no_grad():
-            for key, operator, error, _ in _operators(model, trace, decoder_layers, formulation, kept,
-                                                      attention_mask):
+            for key, operator, error, _ in rebuilt_operators(model, trace, decoder_layers, formulation, kept,
+                                                             attention_mask):
                 operators[key], errors[key] = operator, error
     return operators, output, errors
 
@@ -542,8 +481,8 @@ class _MapStream:
         if index in self.done:
             raise RuntimeError(f"mamba_captum: decoder layer {index} ran twice in one forward; not supported.")
         layer_trace = Trace(mixer_calls=calls, attention_calls=attention, schedule=trace.schedule)
-        for key, operator, _, _ in _operators(self.model, layer_trace, self.decoder_layers, self.formulation,
-                                              self.kept, self.attention_mask):
+        for key, operator, _, _ in rebuilt_operators(self.model, layer_trace, self.decoder_layers,
+                                                     self.formulation, self.kept, self.attention_mask):
             self.maps[key] = operator.maps(self.reduce, self.rows)
             check_finite(self.maps[key], f"the implicit-attention map of layer {key} (its output was reproduced: "
                          "please report this)")

@@ -436,11 +436,13 @@ class LayerCapture(contextlib.AbstractContextManager):
                 ATTENTION_PATCH.__enter__()
                 self._attention_patched = True
         except BaseException:
-            self._remove()
+            self.remove()
             raise
         return self
 
-    def _remove(self):
+    def remove(self):
+        """Remove every hook this capture registered (and the attention patch it holds); what ``__exit__`` does,
+        for an owner that must close a capture left open."""
         self._closed = True
         for handle in self._handles:
             handle.remove()
@@ -453,5 +455,5 @@ class LayerCapture(contextlib.AbstractContextManager):
             ATTENTION_PATCH.__exit__(None, None, None)
 
     def __exit__(self, *exc):
-        self._remove()
+        self.remove()
         return False

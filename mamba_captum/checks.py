@@ -111,6 +111,14 @@ def input_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def model_dtype(model) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 for a model without one)."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
 def check_inputs(model: nn.Module, input_ids=None, inputs_embeds=None) -> tuple[int, int]:
     """Token ids (B, L) or embeddings (B, L, D) on the model's device, with B ≥ 1 and L ≥ 1, ids inside the
     vocabulary. Returns (B, L).

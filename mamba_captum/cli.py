@@ -245,7 +245,7 @@ def _demo(args):
 
 def _explain_images(args):
     from .html_report import render_image_html
-    from .vision.explain import explain_images, load_vim_file
+    from .vision_explain import explain_images, load_vim_file
 
     for path in (args.jsonl, args.out):
         if path is not None:

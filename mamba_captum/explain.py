@@ -450,7 +450,8 @@ def _name(model, tokenizer, index, words, candidates) -> str:
 def lrp_refusal(model) -> str | None:
     """None if MambaLRP has rules for every layer of ``model`` (docs/methods/lrp.md lists them), else why not."""
     try:
-        MambaLRP(model)._runner.close()
+        with MambaLRP(model):  # its construction plans the rules; leaving closes what it opened
+            pass
     except NotImplementedError as error:
         return str(error).removeprefix("mamba_captum: ")
     return None

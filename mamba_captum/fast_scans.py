@@ -62,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import importlib.util
 import inspect
 import math
 import threading
@@ -75,6 +74,9 @@ import torch
 from .kernels.rglru_scan import rglru_scan_chunked, rglru_scan_triton
 from .kernels.scans import ssd_scan_reference
 from .kernels.selective_scan import selective_scan_chunked, selective_scan_triton
+# selective_scan: the library's own models' scan, kept importable from here (it lives with the kernels)
+from .kernels.selective_scan import selective_scan  # noqa: F401
+from .kernels.selective_scan.fastest import has_mamba_ssm as _has_mamba_ssm  # the dispatchers' (tests replace it)
 from .kernels.triton_maps import triton_available
 from .kernels.wkv_scan import wkv_scan_chunked, wkv_scan_triton
 from .session import SharedPatch, thread_state
@@ -97,10 +99,6 @@ RWKV_MODULE = "transformers.models.rwkv.modeling_rwkv"
 GRIFFIN_MODULE = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
 
 
-def _has_mamba_ssm() -> bool:
-    return importlib.util.find_spec("mamba_ssm") is not None
-
-
 def _thread_depth() -> dict:
     """swap key -> how many ``fast_scans()`` contexts of this thread have it swapped."""
     return thread_state("fast_scans", dict)
@@ -115,24 +113,6 @@ def _fast_scan_for(u: torch.Tensor, mamba_ssm_scan):
         if triton_available() and u.dtype != torch.float64:
             return selective_scan_triton
     return selective_scan_chunked
-
-
-def _mamba_ssm_selective_scan():
-    from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-
-    return selective_scan_fn
-
-
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """mamba-ssm's ``selective_scan_fn`` on the fastest exact implementation for the inputs' device (mamba-ssm's
-    CUDA kernel when installed, Triton on CUDA, the chunked torch scan elsewhere); differentiable. The library's own
-    models (:mod:`mamba_captum.vision`) run their scans through it.
-
-    Shapes: u, delta (B, D, L); A (D, N); B, C (B, N, L); D (D,) or None; z (B, D, L) or None; returns y (B, D, L)
-    in u's dtype.
-    """
-    scan = _fast_scan_for(u, _mamba_ssm_selective_scan)
-    return scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
 
 
 def _on_triton(x: torch.Tensor) -> bool:

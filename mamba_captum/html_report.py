@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from . import __version__
+from ._version import __version__
 from .viz import scale_to_unit
 
 METHOD_TITLES = {"raw": "Raw attention (MambaRawAttention)", "rollout": "Attention rollout (MambaRollout)",
@@ -143,7 +143,7 @@ IMAGE_STYLE = """
 
 
 def render_image_html(explanations, *, title: str = "mamba-captum report") -> str:
-    """The report of :class:`~mamba_captum.vision.explain.ImageExplanation` s as one HTML string: per image, the
+    """The report of :class:`~mamba_captum.vision_explain.ImageExplanation` s as one HTML string: per image, the
     image and one overlay per method (images inlined; no scripts, no external resources)."""
     settings = {**(explanations[0].settings if explanations else {}), "mamba-captum": __version__}
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"

@@ -32,6 +32,7 @@ from .dispatch import loaded_weights
 from .families import softmax
 from .families.layers import PlannedRule
 from .rules import ratio
+from .verification import check_reconstruction
 
 
 # -- the conservation guard ------------------------------------------------------------------------------------------
@@ -421,9 +422,7 @@ class LRPForward(contextlib.AbstractContextManager):
         return bool(captures) and captures[-1] is self
 
     def _check(self, name, real, rule, rows_mask=None, module=None, layer_input=None):
-        from .attention import _check
-
-        _check(name, real, rule, self.model_dtype, rows_mask, module=module, layer_input=layer_input)
+        check_reconstruction(name, real, rule, self.model_dtype, rows_mask, module=module, layer_input=layer_input)
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _on_pre(self, planned, module, args, kwargs):

@@ -30,6 +30,12 @@ from .kernels.selective import selective_maps
 from .kernels.ssd import ssd_maps
 from .kernels.taps import post_conv_columns
 
+def masked_tokens(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``tensor`` (B, L, ...) with the padded tokens zeroed (``mask`` (B, L), 1 for real tokens; None: no padding),
+    in ``tensor``'s dtype: the adapters' rebuilds re-apply the pad mask where the mixer's forward applies it."""
+    return tensor if mask is None else (tensor * mask[:, :, None]).to(tensor.dtype)
+
+
 def _mask_rows_cols(maps: torch.Tensor, mask: torch.Tensor | None, rows) -> torch.Tensor:
     if mask is None:
         return maps

@@ -1,12 +1,11 @@
-"""Results into Captum's visualisation: ``VisualizationDataRecord``s for ``visualize_text`` and
-``LLMAttributionResult``s for generated text (``plot_token_attr`` / ``plot_seq_attr``)."""
+"""Results into Captum's visualisation: ``VisualizationDataRecord``s for ``visualize_text``, and the
+``output_attentions`` layout (bertviz). The ``LLMAttributionResult``s of generated text (``plot_token_attr`` /
+``plot_seq_attr``) are built by the attribution classes (:mod:`mamba_captum.attr._generation`)."""
 from __future__ import annotations
 
 import torch
 
-from .checks import check_mask, index_list
-from .session import session
-from captum.attr import LLMAttributionResult, TextTokenInput
+from .checks import check_mask
 from captum.attr import visualization as captum_visualization
 
 
@@ -69,60 +68,6 @@ def to_visualization_record(relevance, tokens, *, attention_mask=None, pred_prob
             scale_to_unit(row), float(pick(pred_prob, index)), pick(pred_class, index), pick(true_class, index),
             pick(attr_class, index), float(row.sum()), names, float(pick(convergence_score, index))))
     return records[0] if single else records
-
-
-# -- generated text ------------------------------------------------------------------------------------------------
-def generation_queries(method, inp, target, tokenizer, gen_args):
-    """Prompt ids (1, Lp), full ids (1, Lp + T), target ids (T,), tokenizer, kept prompt positions (Lp,) bool."""
-    if method._runner.forward_func is not None:
-        raise TypeError("mamba_captum: attribute_generation explains a *ForCausalLM model's next-token logits; "
-                        "it does not take forward_func.")
-    if isinstance(inp, TextTokenInput):
-        prompt, tokenizer = inp.inp_tensor, inp.tokenizer
-        keep = torch.ones(prompt.shape[1], dtype=torch.bool) if inp.itp_mask is None else inp.itp_mask[0].bool()
-    elif torch.is_tensor(inp) and not inp.is_floating_point():
-        prompt = inp if inp.dim() == 2 else inp[None]
-        keep = torch.ones(prompt.shape[1], dtype=torch.bool)
-    else:
-        raise TypeError("mamba_captum: inp must be a captum TextTokenInput or prompt token ids (1, Lp).")
-    if prompt.shape[0] != 1:
-        raise ValueError(f"mamba_captum: attribute_generation explains one prompt; got a batch of {prompt.shape[0]}.")
-    device = next(method.model.parameters()).device
-    prompt = prompt.to(device)
-    if target is None:
-        options = {"max_new_tokens": 25, "do_sample": False, **(gen_args or {})}
-        with torch.no_grad(), session(method.model, method._runner.decoder_layers):
-            generated = method.model.generate(prompt, attention_mask=torch.ones_like(prompt), **options)
-        generated = getattr(generated, "sequences", generated)  # return_dict_in_generate: a GenerateOutput
-        target_ids = generated[0, prompt.shape[1]:]
-    elif isinstance(target, str):
-        if tokenizer is None:
-            raise ValueError("mamba_captum: a str target needs a tokenizer (pass tokenizer= or a TextTokenInput).")
-        target_ids = torch.tensor(tokenizer.encode(target, add_special_tokens=False), device=device)
-    else:
-        target_ids = torch.tensor(index_list(target, "target"), dtype=torch.long, device=device)
-    if target_ids.numel() == 0:
-        raise ValueError("mamba_captum: the target has no tokens.")
-    full = torch.cat([prompt, target_ids[None]], dim=1)
-    return prompt, full, target_ids, tokenizer, keep.to(device)
-
-
-def _token_names(ids, tokenizer):
-    ids = [int(i) for i in ids]
-    return tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
-
-
-def generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relevance) -> LLMAttributionResult:
-    prompt_length = prompt.shape[1]
-    rows = torch.stack([r[0, :prompt_length] for r in relevance])  # (T, Lp): each generated token's row
-    token_attr = rows[:, keep].detach().cpu()
-    probs = torch.stack([torch.softmax(scores[0].double(), -1)[int(t)]
-                         for scores, t in zip(explained.scores, target_ids)]).float().cpu()
-    input_tokens = inp.values if isinstance(inp, TextTokenInput) else \
-        [n for n, k in zip(_token_names(prompt[0], tokenizer), keep.tolist()) if k]
-    return LLMAttributionResult(input_tokens=list(input_tokens), output_tokens=_token_names(target_ids, tokenizer),
-                                seq_attr=token_attr.sum(0), token_attr=token_attr, output_probs=probs,
-                                inp=inp if isinstance(inp, TextTokenInput) else None)
 
 
 # -- the output_attentions layout (bertviz) -------------------------------------------------------------------------

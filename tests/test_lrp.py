@@ -245,12 +245,12 @@ COVERED = MASKED + RECURRENT
 
 def modified_logits(model, ids, mask=None, **kwargs):
     """The logits of the model's forward under the rules (the context manager the method uses)."""
-    from mamba_captum.attention import _model_dtype
+    from mamba_captum.checks import model_dtype
     from mamba_captum.families import locate
     from mamba_captum.families.layers import lrp_plan
     from mamba_captum.lrp import LRPForward
 
-    dtype = _model_dtype(model)
+    dtype = model_dtype(model)
     plan = lrp_plan(model, locate(model)[1])
     token_mask = torch.ones(ids.shape, dtype=torch.float32) if mask is None else mask.float()
     with torch.enable_grad(), LRPForward(plan, model.get_input_embeddings(), token_mask,

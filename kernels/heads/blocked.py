@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..ssd.blocked import _add_shifted_taps, _summed_products, _tap_features
+from ..ssd.blocked import add_shifted_taps, summed_products, tap_features
 
 TILE_SIZE = 128  # query rows per tile
 CHANNEL_BLOCK_ELEMENTS = 1 << 20  # elements of one per-channel slab
@@ -55,7 +55,7 @@ def head_maps_blocked(alpha_rows, *, batch, length, heads, row_weight=None, col_
 
     for b in range(batch):
         if reduce in ("mean", "sum") and not per_head:
-            query_features, key_features = _tap_features(
+            query_features, key_features = tap_features(
                 shapes, torch.empty(0, dtype=dtype, device=device),
                 None if row_weight is None else row_weight[b], None if col_weight is None else col_weight[b],
                 None if conv_weight is None else conv_weight.to(dtype))
@@ -72,8 +72,8 @@ def head_maps_blocked(alpha_rows, *, batch, length, heads, row_weight=None, col_
                     out[b, rows_slice] = alpha.sum(0)
                 continue
             if reduce in ("mean", "sum"):
-                products = _summed_products(query_features[q], key_features, heads)  # (H, K, T, L)
-                _add_shifted_taps(out[b, rows_slice], (products * alpha[:, None]).sum(0), 0)
+                products = summed_products(query_features[q], key_features, heads)  # (H, K, T, L)
+                add_shifted_taps(out[b, rows_slice], (products * alpha[:, None]).sum(0), 0)
                 continue
             col = torch.ones(length, heads, head_dim, dtype=dtype, device=device) if col_weight is None \
                 else col_weight[b]

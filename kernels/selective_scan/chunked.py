@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import _finish, _prepare, accumulation_dtype
+from .naive import accumulation_dtype, skip_and_gate, step_sizes
 
 CHUNK = 64  # tokens per chunk: the backward holds (CHUNK, B, D, N) slabs
 
@@ -118,7 +118,7 @@ def selective_scan_chunked(u, delta, A, B, C, D=None, z=None, delta_bias=None, d
     Returns:
         y (B, D, L) in u's dtype; with ``return_last_state`` also the last state (B, D, N) float32 (float64 for float64 inputs).
     """
-    delta = _prepare(delta, delta_bias, delta_softplus)
+    delta = step_sizes(delta, delta_bias, delta_softplus)
     y, last = _SelectiveScan.apply(u, delta, A, B, C, chunk)
-    y = _finish(y, u, D, z)
+    y = skip_and_gate(y, u, D, z)
     return (y, last) if return_last_state else y

@@ -10,13 +10,15 @@ def accumulation_dtype(u: torch.Tensor) -> torch.dtype:
     return torch.float64 if u.dtype == torch.float64 else torch.float32
 
 
-def _prepare(delta, delta_bias, delta_softplus):
+def step_sizes(delta, delta_bias, delta_softplus):
+    """The step sizes Δ (B, D, L) the scan uses: ``delta`` plus ``delta_bias`` (D,), then softplus if asked."""
     if delta_bias is not None:
         delta = delta + delta_bias.to(delta.dtype)[..., None]
     return F.softplus(delta) if delta_softplus else delta
 
 
-def _finish(y, u, D, z):
+def skip_and_gate(y, u, D, z):
+    """The scan output ``y`` (B, D, L) with the D skip (``u`` · D, D (D,)) and the gate silu(``z``) applied."""
     if D is not None:
         y = y + u * D[None, :, None]
     if z is not None:
@@ -34,7 +36,7 @@ def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     Returns:
         y (B, D, L) in u's dtype; with ``return_last_state`` also the last state (B, D, N) float32 (float64 for float64 inputs).
     """
-    delta = _prepare(delta, delta_bias, delta_softplus)
+    delta = step_sizes(delta, delta_bias, delta_softplus)
     acc = accumulation_dtype(u)
     decay = torch.exp(A[None, :, None, :] * delta[..., None].to(acc))  # (B, D, L, N)
     inputs = (delta * u)[..., None].to(acc) * B.transpose(1, 2)[:, None].to(acc)
@@ -43,5 +45,5 @@ def selective_scan_naive(u, delta, A, B, C, D=None, z=None, delta_bias=None, del
     for t in range(u.shape[-1]):
         state = decay[:, :, t] * state + inputs[:, :, t]
         outputs.append((state * C[:, None, :, t].to(acc)).sum(-1))
-    y = _finish(torch.stack(outputs, dim=-1).to(u.dtype), u, D, z)
+    y = skip_and_gate(torch.stack(outputs, dim=-1).to(u.dtype), u, D, z)
     return (y, state) if return_last_state else y

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .naive import _finish, _prepare
+from .naive import skip_and_gate, step_sizes
 
 try:
     import triton
@@ -151,7 +151,7 @@ def selective_scan_triton(u, delta, A, B, C, D=None, z=None, delta_bias=None, de
     """
     if triton is None:
         raise RuntimeError("Triton is not installed: use selective_scan_chunked")
-    delta = _prepare(delta, delta_bias, delta_softplus)
+    delta = step_sizes(delta, delta_bias, delta_softplus)
     y, last = _TritonScan.apply(u, delta, A, B, C)
-    y = _finish(y.to(u.dtype), u, D, z)
+    y = skip_and_gate(y.to(u.dtype), u, D, z)
     return (y, last) if return_last_state else y

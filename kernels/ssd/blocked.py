@@ -86,7 +86,7 @@ def _value_tap_features(shapes, like, row_weight, col_weight, conv_weight, value
     return query, key
 
 
-def _tap_features(shapes, like, row_weight, col_weight, conv_weight):
+def tap_features(shapes, like, row_weight, col_weight, conv_weight):
     """Split ``Σ_p row[i,h,p] · col[j,h,p] · w_τ[h,p]`` into query and key features, for one batch element.
 
     row_weight, col_weight: (L, H, P) or None. Returns ``query`` (L, H, P', Kq) and ``key`` (L, H, P', Kk), one of
@@ -109,7 +109,7 @@ def _tap_features(shapes, like, row_weight, col_weight, conv_weight):
     return ones, tap_weights.sum(1)[None, :, None, :].expand(length, heads, 1, taps)
 
 
-def _summed_products(query, key, blocks: int) -> torch.Tensor:
+def summed_products(query, key, blocks: int) -> torch.Tensor:
     """``Σ_{h in block, p} query[i,h,p,τ] · key[j,h,p,τ]`` per block of H/blocks heads: (blocks, K, I, J).
 
     query (I, H, P', Kq), key (J, H, P', Kk), one of Kq, Kk being 1: one batched GEMM with inner dim (H/blocks)·P'.
@@ -125,7 +125,7 @@ def _summed_products(query, key, blocks: int) -> torch.Tensor:
     return products.view(blocks, rows, key_taps, cols).transpose(1, 2)
 
 
-def _add_shifted_taps(out_rows: torch.Tensor, per_tap: torch.Tensor, first_col: int) -> None:
+def add_shifted_taps(out_rows: torch.Tensor, per_tap: torch.Tensor, first_col: int) -> None:
     """out_rows[:, j - τ] += per_tap[τ, :, j - first_col]: tap τ of the conv reads the input τ tokens back."""
     width = per_tap.shape[-1]
     for tau in range(per_tap.shape[0]):
@@ -167,7 +167,7 @@ def _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weig
     for b in range(shapes.batch):
         row, col = (None if w is None else w[b] for w in (row_weight, col_weight))
         if value_weight is None:
-            query_features, key_features = _tap_features(shapes, delta, row, col, conv_weight)
+            query_features, key_features = tap_features(shapes, delta, row, col, conv_weight)
         else:
             query_features, key_features = _value_tap_features(shapes, delta, row, col, conv_weight, value_weight[b])
         first = 0
@@ -185,15 +185,15 @@ def _channel_sum_maps(shapes, delta, cumulative, A64, B, C, row_weight, col_weig
                              * delta[b, :tile_start])  # (J, H), exp ≤ 1
                 query = query_features[q] * query_decay[:, :, None, None]
                 key = key_features[:tile_start] * key_decay[:, :, None, None]
-                products = _summed_products(query, key, groups)  # (G, K, I, J)
+                products = summed_products(query, key, groups)  # (G, K, I, J)
                 scores = torch.einsum("ign,jgn->gij", C[b, q], B[b, :tile_start])  # (G, I, J)
-                _add_shifted_taps(out_rows, (products * scores[:, None]).sum(0), 0)
+                add_shifted_taps(out_rows, (products * scores[:, None]).sum(0), 0)
 
             # diagonal block: keys tile_start ≤ j ≤ last_row, direct per head
             keys = slice(tile_start, last_row + 1)
             alpha = _alpha_block(delta[b], cumulative[b], A64, B[b], C[b], q, keys)  # (H, I, J)
-            products = _summed_products(query_features[q], key_features[keys], heads)  # (H, K, I, J)
-            _add_shifted_taps(out_rows, (products * alpha[:, None]).sum(0), tile_start)
+            products = summed_products(query_features[q], key_features[keys], heads)  # (H, K, I, J)
+            add_shifted_taps(out_rows, (products * alpha[:, None]).sum(0), tile_start)
 
     return out if inverse is None else out[:, inverse]
 

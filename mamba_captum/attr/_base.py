@@ -12,6 +12,7 @@ from captum.log import log_usage
 from ..checks import check_finite, unwrap_parallel
 from ..session import session
 from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
+from ._generation import generation_queries, generation_result
 
 RECIPES = ("product", "official")
 
@@ -178,8 +179,6 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             ``LLMAttributionResult`` with ``token_attr`` (T, n_input_tokens), ``seq_attr`` = its sum over the T
             generated tokens, ``output_probs`` (T,) the probabilities of the generated tokens.
         """
-        from ..viz import generation_queries, generation_result
-
         if self._runner.image_model:
             raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "
                             "none: use attribute(pixel_values, target=...).")
@@ -192,7 +191,8 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(kwargs))}) must cover prompt + "
                              "generated tokens: give target= explicitly.")
         self._runner.refresh()
-        prompt, full, target_ids, tokenizer, keep = generation_queries(self, inp, target, tokenizer, gen_args)
+        prompt, full, target_ids, tokenizer, keep = generation_queries(self.model, self._runner, inp, target, tokenizer,
+                                                                       gen_args)
         queries = [(torch.tensor([prompt.shape[1] - 1 + t], device=full.device), target_ids[t:t + 1])
                    for t in range(target_ids.shape[0])]
         explained, relevance = self._explain(full, None, None, None, None, formulation, start_layer, reduce,

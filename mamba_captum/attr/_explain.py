@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import families
-from ..attention import FORMULATIONS, SharedAttentionKey, _operators, check_recorded
+from ..attention import FORMULATIONS, SharedAttentionKey, check_recorded, rebuilt_operators
 from ..capture import LayerCapture
 from ..checks import (check_finite, check_forward_devices, check_inputs, check_keywords, check_mask, index_list,
                       is_int, single_index, underlying_forward)
 from ..fast_scans import fast_scans
 from ..operators import REDUCTIONS
-from ..vision.layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
-                             vision_layout)
+from ..layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
+                      vision_layout)
 
 
 @dataclass
@@ -106,8 +106,8 @@ class Explained:
         """Yield a :class:`LayerRecord` per token-mixing layer, one operator alive at a time."""
         attention_mask = None if bool(self.mask.all()) else self.mask
         with torch.no_grad():
-            for key, operator, _, grads in _operators(self.model, self.trace, self.decoder_layers, self.formulation,
-                                                      self.components, attention_mask):
+            for key, operator, _, grads in rebuilt_operators(self.model, self.trace, self.decoder_layers,
+                                                             self.formulation, self.components, attention_mask):
                 layer = key if isinstance(key, int) else int(str(key).split(".")[0])
                 yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer),
                                   self._input_effects(key, layer))
@@ -262,7 +262,7 @@ class Runner:
     def close(self):
         """Remove the hooks of any capture still registered (the context-manager guarantee)."""
         for capture in list(self._active):
-            capture._remove()
+            capture.remove()
         self._active.clear()
 
     @property

@@ -22,8 +22,8 @@ import torch
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 
-from .. import families, rules
-from ..attention import ReconstructionError, _model_dtype
+from .. import checks, families, rules
+from ..attention import ReconstructionError
 from ..checks import check_finite, check_forward_devices, check_inputs, unwrap_parallel
 from ..dispatch import is_dispatched
 from ..families.layers import lrp_plan
@@ -173,7 +173,7 @@ class MambaLRP(GradientAttribution):
             raise RuntimeError("mamba_captum: MambaLRP takes gradients, which torch.inference_mode() forbids; call "
                                "it outside inference_mode (the library switches gradients on for its own forward).")
         names = [n for n in inspect.signature(self.attribute).parameters if n != "forward_kwargs"]
-        model_dtype = _model_dtype(self.model)
+        model_dtype = checks.model_dtype(self.model)
         work_dtype = torch.float64 if model_dtype == torch.float64 else torch.float32
         with session(self.model, runner.decoder_layers, runner.forward_func):
             args, kwargs, attention_mask = runner._arguments(inputs, attention_mask, additional_forward_args,

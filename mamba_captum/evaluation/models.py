@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 from ..fast_scans import fast_scans
-from .tasks import ClassificationTask, _long_range, _negation, bbc_news, make_task
+from .tasks import ClassificationTask, long_range_task, negation_task, bbc_news, make_task
 
 FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm")
 # Bamba also has a tiny config (tiny_config("bamba", ...)) but never left chance on needle: see docs/faithfulness.md.
@@ -146,11 +146,11 @@ def _batches(task_name, seed, batch, bbc_train=None, stage_length=None, curricul
             # a curriculum: the same task on 64, 128, 192 tokens first (the key still in the first tenth), each stage
             # until it is learned; at 256 tokens from the start, or with fixed 200-step stages, the tiny Mamba and
             # Griffin models stayed at chance for 2,000 steps
-            yield _long_range(batch, stage_length(), torch.Generator().manual_seed(seed * 100_003 + step))
+            yield long_range_task(batch, stage_length(), torch.Generator().manual_seed(seed * 100_003 + step))
         elif task_name == "negation" and step < curriculum_steps:
             # a curriculum: markers without the modifier first; Griffin and Jamba stayed at chance on the XOR of
             # marker and modifier for 3,000 steps without it
-            yield _negation(batch, 48, torch.Generator().manual_seed(seed * 100_003 + step), modifiers=False)
+            yield negation_task(batch, 48, torch.Generator().manual_seed(seed * 100_003 + step), modifiers=False)
         elif bbc_train is None:
             yield make_task(task_name, batch, seed=seed * 100_003 + step)
         else:
@@ -179,7 +179,7 @@ def train_classifier(family: str, task_name: str, seed: int = 0, max_steps: int 
     optimiser = torch.optim.Adam(model.parameters(), lr=lr)
     validation = bbc_test if bbc_train is not None else make_task(task_name, 256, seed=10_000 + seed)
     stage = [0]  # long_range: the curriculum's stage, advanced when the model has learned it
-    stage_validation = [_long_range(256, length, torch.Generator().manual_seed(10_000 + seed + length))
+    stage_validation = [long_range_task(256, length, torch.Generator().manual_seed(10_000 + seed + length))
                         for length in LONG_RANGE_STAGES[:-1]] + [validation]
     start, steps = time.perf_counter(), 0
     # fast_scans: Mamba-1 / Jamba train on the blocked torch scan (same math as HF's per-token loop, ~10x faster).

@@ -132,7 +132,9 @@ def _needle(count, length, generator):
     return _finish("needle", vocab, label_ids, ids, labels, relevant)
 
 
-def _negation(count, length, generator, modifiers=True):
+def negation_task(count, length, generator, modifiers=True):
+    """The "negation" :class:`ClassificationTask`: ``count`` sequences of ``length`` tokens whose class is a
+    sentiment marker's, flipped by a "not" just before it (``modifiers=False``: never negated, same random draws)."""
     positive, negative = ["good", "great"], ["bad", "awful"]
     fillers = [f"w{k}" for k in range(40)]
     vocab, label_ids, ids_of = _vocab(2, positive + negative + ["not"] + fillers)
@@ -157,7 +159,9 @@ def _negation(count, length, generator, modifiers=True):
     return _finish("negation", vocab, label_ids, ids, labels, relevant)
 
 
-def _long_range(count, length, generator):
+def long_range_task(count, length, generator):
+    """The "long_range" :class:`ClassificationTask`: ``count`` sequences of ``length`` tokens whose class is set by
+    one key token in the first tenth of the sequence (a* class 0, b* class 1)."""
     keys = ["a0", "a1", "b0", "b1"]  # a* -> class 0, b* -> class 1
     fillers = [f"w{k}" for k in range(40)]
     vocab, label_ids, ids_of = _vocab(2, keys + fillers)
@@ -294,7 +298,7 @@ def _order(count, length, generator):
     return _finish("order", vocab, label_ids, ids, labels, relevant)
 
 
-_MAKERS = {"needle": (_needle, 48), "negation": (_negation, 48), "long_range": (_long_range, 256),
+_MAKERS = {"needle": (_needle, 48), "negation": (negation_task, 48), "long_range": (long_range_task, 256),
            "counting": (_counting, 48), "real_words": (_real_words, 48), "gated_recall": (_gated_recall, 48), "conjunction": (_conjunction, 48), "order": (_order, 48)}
 
 

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..operators import DenseCore, HeadOperator
-from .mamba import _masked
+from ..operators import DenseCore, HeadOperator, masked_tokens
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("ZayaAttention",)
@@ -81,7 +80,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     # The value path as ZayaCCAProjection computes it, from the recorded (unmasked) mixer input: the values before
     # the shift, the real tokens' (x) and the rest (the pads' values: 0, or the projections' bias with
     # attention_bias; the bias shifted in at token 0).
-    masked = _masked(hidden, mask)
+    masked = masked_tokens(hidden, mask)
     current = run(projection.v_proj_current, masked)
     delayed = run(projection.v_proj_delayed, masked)
     first = run(projection.v_proj_delayed, masked.new_zeros(batch, 1, masked.shape[-1]))  # shifted in at token 0

@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..kernels.delta_rule import delta_rule_output_chunked
-from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows
+from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows, masked_tokens
 from ..rules import half_product, sigmoid_gate, silu_rule
-from .mamba import _masked
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
@@ -48,7 +47,7 @@ def conv_inputs(call, why: str, conv_dtype: torch.dtype | None = None):
     """What :func:`rebuild` and :func:`lrp` both start from: (mixer, masked input h, the projections
     (q, k, v, z, b, a), the conv's pre-activation over cat(q, k, v), in ``conv_dtype``: see :func:`causal_conv`)."""
     mixer = silu_mixer(call, why)
-    h = _masked(call.hidden_states, call.attention_mask)
+    h = masked_tokens(call.hidden_states, call.attention_mask)
     pieces = projections(mixer, h)
     return mixer, h, pieces, causal_conv(torch.cat(pieces[:3], dim=-1), mixer.conv1d, conv_dtype)
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..operators import masked_tokens
 from .gated_deltanet import (causal_conv, delta_rule_inputs, delta_rule_lrp, gate_activation, operator_from_pieces,
                              output_modules, silu_mixer)
-from .mamba import _masked
 from .unhooked import run
 
 MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
@@ -29,7 +29,7 @@ def _pieces(call, why: str, work_dtype: torch.dtype, conv_dtype: torch.dtype | N
     pre-activation over cat(q, k, v) in ``conv_dtype`` (None: the conv's own, as HF runs it), the delta-rule core
     (detached: the operator's and the rules' alike), the gate's input, the gated norm and out_proj)."""
     mixer = silu_mixer(call, why)
-    h = _masked(call.hidden_states, call.attention_mask)
+    h = masked_tokens(call.hidden_states, call.attention_mask)
     width = mixer.qkv_dim
     conv_pre = causal_conv(torch.cat([run(mixer.q_proj, h), run(mixer.k_proj, h), run(mixer.v_proj, h)], dim=-1),
                            mixer.conv1d, conv_dtype)

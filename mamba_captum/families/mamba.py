@@ -19,17 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..fast_scans import selective_scan
+from ..kernels.selective_scan import selective_scan
 from ..kernels.scans import selective_scan_reference
-from ..operators import SelectiveOperator
+from ..operators import SelectiveOperator, masked_tokens
 from ..rules import half_product, silu_rule
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
-
-
-def _masked(tensor, mask):
-    return tensor if mask is None else (tensor * mask[:, :, None]).to(tensor.dtype)
 
 
 @dataclass
@@ -78,7 +74,7 @@ def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, sta
                    groups=taps.shape[0])[..., :length].transpose(1, 2)
     u = F.silu(pre).to(x.dtype)
     if unfused:  # the fused training kernel does not re-apply the pad mask after the conv
-        u = _masked(u, mask)
+        u = masked_tokens(u, mask)
     dt_low, B, C = torch.split(run(x_proj, u), [rank, state_size, state_size], dim=-1)
     norm_dt_after_projection = False
     if norms is not None:  # FalconMamba (weightless) and Jamba (learned) RMS norms
@@ -145,7 +141,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "the unified operator is defined for silu.")
-    x, z = run(mixer.in_proj, _masked(hidden, mask)).chunk(2, dim=-1)  # (B, L, D_in) each, the model's dtype
+    x, z = run(mixer.in_proj, masked_tokens(hidden, mask)).chunk(2, dim=-1)  # (B, L, D_in) each, the model's dtype
     norms = (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm) if hasattr(mixer, "dt_layernorm") else None
     p = scan_pieces(x, z, mask, conv1d=mixer.conv1d, x_proj=mixer.x_proj, dt_proj=mixer.dt_proj, A_log=mixer.A_log,
                     D=mixer.D, rank=mixer.time_step_rank, state_size=mixer.ssm_state_size, norms=norms,
@@ -177,7 +173,7 @@ def lrp_inner(pieces: ScanPieces, x, z, mask, *, conv1d, D, unfused: bool, work_
                    padding=conv1d.weight.shape[-1] - 1, groups=conv1d.weight.shape[0])[..., :length].transpose(1, 2)
     u = pre * torch.sigmoid(w(pieces.pre))  # silu(pre), the identity rule
     if unfused:
-        u = _masked(u, None if mask is None else w(mask))
+        u = masked_tokens(u, None if mask is None else w(mask))
     scan = selective_scan(u.transpose(1, 2), pieces.delta.transpose(1, 2), pieces.A, pieces.B.transpose(1, 2),
                           pieces.C.transpose(1, 2)).transpose(1, 2)
     y = scan + w(D) * u
@@ -194,7 +190,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "MambaLRP's rules are written for silu.")
-    x, z = run(mixer.in_proj, _masked(hidden, mask)).chunk(2, dim=-1)
+    x, z = run(mixer.in_proj, masked_tokens(hidden, mask)).chunk(2, dim=-1)
     norms = (mixer.dt_layernorm, mixer.b_layernorm, mixer.c_layernorm) if hasattr(mixer, "dt_layernorm") else None
     with torch.no_grad():
         pieces = scan_pieces(x.detach(), z.detach(), mask, conv1d=mixer.conv1d, x_proj=mixer.x_proj,

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.scans import ssd_scan_reference
-from ..operators import SSDOperator
+from ..operators import SSDOperator, masked_tokens
 from ..rules import half_product, silu_rule
-from .mamba import _masked, check_dtype
+from .mamba import check_dtype
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer",
@@ -49,7 +49,7 @@ def _projected(call, why: str):
     mixer = call.located.module
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; {why}.")
-    h = _masked(call.hidden_states, call.attention_mask)
+    h = masked_tokens(call.hidden_states, call.attention_mask)
     if hasattr(mixer, "ssm_in_multiplier"):
         h = h * mixer.ssm_in_multiplier
     projected = run(mixer.in_proj, h)
@@ -76,7 +76,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                    groups=mixer.conv_dim)[..., :length].transpose(1, 2)
     act = F.silu(pre).to(xbc.dtype)
     if call.unfused:  # the fused training kernel does not re-apply the pad mask after the conv
-        act = _masked(act, mask)
+        act = masked_tokens(act, mask)
     x, B, C = act.split([d_inner, groups * state, groups * state], dim=-1)
 
     w = lambda t: t.to(work_dtype)
@@ -154,7 +154,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
                    padding=conv.weight.shape[-1] - 1, groups=mixer.conv_dim)[..., :length].transpose(1, 2)
     act = pre * torch.sigmoid(pre.detach())  # silu, the identity rule
     if call.unfused:
-        act = _masked(act, None if mask is None else w(mask))
+        act = masked_tokens(act, None if mask is None else w(mask))
     x, B, C = act.split([d_inner, groups * state, groups * state], dim=-1)
     low, high = mixer.time_step_limit
     with torch.no_grad():  # the selection parameters (and the weights they come from) take no relevance

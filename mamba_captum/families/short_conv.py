@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..operators import HeadOperator
+from ..operators import HeadOperator, masked_tokens
 from ..rules import half_product
-from .mamba import _masked
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
@@ -44,7 +43,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     mixer = call.located.module
     hidden, mask = call.hidden_states, call.attention_mask
     batch, length, width = hidden.shape
-    projected = run(mixer.in_proj, _masked(hidden, mask)).to(work_dtype)
+    projected = run(mixer.in_proj, masked_tokens(hidden, mask)).to(work_dtype)
     in_gate, out_gate, x = projected.chunk(3, dim=-1)
     taps = mixer.conv.weight[:, 0, :].to(work_dtype)  # (D, K)
     bias = None if mixer.conv.bias is None else mixer.conv.bias.to(work_dtype)
@@ -78,7 +77,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     all come from the input), the conv linear (its bias a constant). (B, L, D), float64."""
     mixer = call.located.module
     hidden, mask = call.hidden_states, call.attention_mask
-    projected = run(mixer.in_proj, _masked(hidden, mask)).to(work_dtype)
+    projected = run(mixer.in_proj, masked_tokens(hidden, mask)).to(work_dtype)
     in_gate, out_gate, x = projected.chunk(3, dim=-1)
     conv_out = _band(half_product(in_gate, x), mixer.conv.weight[:, 0, :].to(work_dtype))
     if mixer.conv.bias is not None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..operators import HeadOperator, sparse_conv
-from ..vision.layout import PackedPatches
+from ..layout import PackedPatches
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("Lfm3VlVisionShortConv",)

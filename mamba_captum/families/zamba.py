@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from ..operators import ChannelBlocksOperator
-from .mamba import _masked, check_dtype, lrp_inner, scan_pieces, selective_operator
+from ..operators import ChannelBlocksOperator, masked_tokens
+from .mamba import check_dtype, lrp_inner, scan_pieces, selective_operator
 from .unhooked import linear_readout, run
 
 MIXER_CLASSES = ("ZambaMambaMixer",)
@@ -53,7 +53,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "the unified operator is defined for silu.")
-    projected = run(mixer.in_proj, _masked(hidden, mask))  # (B, L, 2 D_in), x and z interleaved
+    projected = run(mixer.in_proj, masked_tokens(hidden, mask))  # (B, L, 2 D_in), x and z interleaved
     x, z = projected[..., 0::2], projected[..., 1::2]
     operator_mask = None if mask is None else mask.to(work_dtype)
     pieces, parts = [], []
@@ -85,7 +85,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     if mixer.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: {call.located.name} uses activation {mixer.activation!r}; "
                                   "MambaLRP's rules are written for silu.")
-    projected = run(mixer.in_proj, _masked(hidden, mask))
+    projected = run(mixer.in_proj, masked_tokens(hidden, mask))
     x, z = projected[..., 0::2], projected[..., 1::2]
     inner = []
     for head in range(mixer.n_mamba_heads):

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fast_scans import selective_scan
+from ..kernels.selective_scan import selective_scan
 
 CLS_POSITIONS = ("middle", "first", "last", None)
 
@@ -222,7 +222,7 @@ class VisionMamba(nn.Module):
 
     def token_layout(self):
         """The :class:`mamba_captum.vision.TokenLayout`: sequence length, patch grid, CLS position, pooling."""
-        from .layout import TokenLayout
+        from ..layout import TokenLayout
 
         embed = self.patch_embed
         return TokenLayout(grid=embed.grid_size, cls_index=self.cls_index(), img_size=embed.img_size,

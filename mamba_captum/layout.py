@@ -104,7 +104,7 @@ def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout, attention_
     Raises:
         TypeError / ValueError naming the problem and the fix.
     """
-    from ..checks import input_device
+    from .checks import input_device
 
     refuse_attention_mask(attention_mask)
     if not torch.is_tensor(pixel_values) or not pixel_values.is_floating_point():
@@ -231,7 +231,7 @@ def packed_tower(model: nn.Module) -> bool:
     and it has a ``spatial_merge_size`` (LFM3-VL's ``Lfm3VlVisionModel``)."""
     import inspect
 
-    from ..checks import underlying_forward
+    from .checks import underlying_forward
 
     if getattr(model, "spatial_merge_size", None) is None:
         return False
@@ -249,7 +249,7 @@ def check_packed(model: nn.Module, pixel_values, grid_thw, attention_mask=None) 
     Raises:
         TypeError / ValueError naming the problem and the fix.
     """
-    from ..checks import input_device
+    from .checks import input_device
 
     if attention_mask is not None:
         raise ValueError("mamba_captum: a packed vision tower takes no attention_mask: its items are separated by "
