@@ -98,14 +98,30 @@ def refuse_attention_mask(attention_mask) -> None:
         raise ValueError("mamba_captum: an image has no padding: pass no attention_mask to an image model.")
 
 
+def check_pixels_match_model(pixel_values: torch.Tensor, model) -> None:
+    """Refuse pixel values on another device or in another dtype than the model's (images and packed patches alike).
+
+    Raises:
+        ValueError: another device. TypeError: another dtype. Both name the fix.
+    """
+    from .checks import input_device
+
+    device = input_device(model)
+    if pixel_values.device != device:
+        raise ValueError(f"mamba_captum: the pixel values are on {pixel_values.device}, the model on {device}; move "
+                         f"them with pixel_values.to({str(device)!r}).")
+    dtype = model_dtype(model)
+    if pixel_values.dtype != dtype:
+        raise TypeError(f"mamba_captum: the pixel values are {pixel_values.dtype}, the model {dtype}; pass "
+                        f"pixel_values.to({dtype}).")
+
+
 def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout, attention_mask=None) -> int:
     """Pixels (B, C, H, W) of the model's size, dtype and device, B ≥ 1, and no attention mask. Returns B.
 
     Raises:
         TypeError / ValueError naming the problem and the fix.
     """
-    from .checks import input_device
-
     refuse_attention_mask(attention_mask)
     if not torch.is_tensor(pixel_values) or not pixel_values.is_floating_point():
         raise TypeError("mamba_captum: an image model takes pixel values, a floating-point tensor (B, C, H, W); "
@@ -123,14 +139,7 @@ def check_pixels(model: nn.Module, pixel_values, layout: TokenLayout, attention_
     if (height, width) != tuple(layout.img_size):
         raise ValueError(f"mamba_captum: the images are {height}×{width}; the model takes "
                          f"{layout.img_size[0]}×{layout.img_size[1]} (mamba_captum.vision.preprocess resizes).")
-    device = input_device(model)
-    if pixel_values.device != device:
-        raise ValueError(f"mamba_captum: the pixel values are on {pixel_values.device}, the model on {device}; move "
-                         f"them with pixel_values.to({str(device)!r}).")
-    dtype = model_dtype(model)
-    if pixel_values.dtype != dtype:
-        raise TypeError(f"mamba_captum: the pixel values are {pixel_values.dtype}, the model {dtype}; pass "
-                        f"pixel_values.to({dtype}).")
+    check_pixels_match_model(pixel_values, model)
     return batch
 
 
@@ -249,8 +258,6 @@ def check_packed(model: nn.Module, pixel_values, grid_thw, attention_mask=None) 
     Raises:
         TypeError / ValueError naming the problem and the fix.
     """
-    from .checks import input_device
-
     if attention_mask is not None:
         raise ValueError("mamba_captum: a packed vision tower takes no attention_mask: its items are separated by "
                          "grid_thw.")
@@ -284,12 +291,5 @@ def check_packed(model: nn.Module, pixel_values, grid_thw, attention_mask=None) 
     if width is not None and pixel_values.shape[1] != width:
         raise ValueError(f"mamba_captum: the patches have {pixel_values.shape[1]} values, the tower's patch embedding "
                          f"takes {width}.")
-    device = input_device(model)
-    if pixel_values.device != device:
-        raise ValueError(f"mamba_captum: the pixel values are on {pixel_values.device}, the model on {device}; move "
-                         f"them with pixel_values.to({str(device)!r}).")
-    dtype = model_dtype(model)
-    if pixel_values.dtype != dtype:
-        raise TypeError(f"mamba_captum: the pixel values are {pixel_values.dtype}, the model {dtype}; pass "
-                        f"pixel_values.to({dtype}).")
+    check_pixels_match_model(pixel_values, model)
     return layout
