@@ -93,7 +93,7 @@ def _check_hooked(name: str, call, dtype: torch.dtype):
     Raises:
         ReconstructionError: naming the submodule.
     """
-    from .families.unhooked import run
+    from .families.common import run
 
     for path, module, (args, kwargs), output in call.hooked:
         if not torch.is_tensor(output):

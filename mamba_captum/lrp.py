@@ -1,7 +1,7 @@
 """MambaLRP's modified forward: a context manager under which the model's forward passes (of the opening thread)
 give the real values and the LRP rules' gradients. Nothing in the model is swapped; every hook is removed on exit.
 
-- Token mixers and the modules with a rule (:func:`mamba_captum.families.layers.lrp_plan`): a pre-hook records the
+- Token mixers and the modules with a rule (:func:`mamba_captum.families.lrp_plan.lrp_plan`): a pre-hook records the
   input and switches autograd off for the real computation (its graph would be thrown away), the forward hook
   switches it back on and returns the rule's expression, computed from the recorded input: the real output's value
   (checked: ``ReconstructionError`` naming the module beyond the dtype's tolerance) with the rule's gradient.
@@ -30,7 +30,7 @@ from torch import nn
 from .capture import ATTENTION_PATCH, MixerCall, attention_call, mixer_arguments, open_captures
 from .dispatch import loaded_weights
 from .families import softmax
-from .families.layers import PlannedRule
+from .families.lrp_plan import PlannedRule
 from .rules import ratio
 from .verification import check_reconstruction
 
@@ -381,7 +381,7 @@ class LRPForward(contextlib.AbstractContextManager):
     """Hooks that turn the model's forward into MambaLRP's modified forward while the context is open.
 
     Args:
-        plan: the modules to replace (:func:`mamba_captum.families.layers.lrp_plan`).
+        plan: the modules to replace (:func:`mamba_captum.families.lrp_plan.lrp_plan`).
         embeddings: the input-embedding module (its output becomes a leaf), or None (inputs_embeds are the leaf).
         token_mask: (B, L) 1 for real tokens: the attention check compares real rows only (pad rows of softmax
             layers depend on the mask convention and reach no real token).

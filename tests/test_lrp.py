@@ -247,7 +247,7 @@ def modified_logits(model, ids, mask=None, **kwargs):
     """The logits of the model's forward under the rules (the context manager the method uses)."""
     from mamba_captum.checks import model_dtype
     from mamba_captum.families import locate
-    from mamba_captum.families.layers import lrp_plan
+    from mamba_captum.families.lrp_plan import lrp_plan
     from mamba_captum.lrp import LRPForward
 
     dtype = model_dtype(model)

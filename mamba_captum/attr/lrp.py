@@ -26,7 +26,7 @@ from .. import checks, families, rules
 from ..attention import ReconstructionError
 from ..checks import check_finite, check_forward_devices, check_inputs, unwrap_parallel
 from ..dispatch import is_dispatched
-from ..families.layers import lrp_plan
+from ..families.lrp_plan import lrp_plan
 from ..fast_scans import fast_scans
 from ..lrp import ConservationGap, LRPForward, requiring_grad, rule_biases
 from ..session import session

@@ -24,10 +24,10 @@ from __future__ import annotations
 import torch
 
 from ..operators import DenseCore, HeadOperator, masked_tokens
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("ZayaAttention",)
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = ("ZAYA's attention convolves its values inside the layer, around the attention call; its rules "
                    "are not written yet")
 # the adapter takes the layer's recorded attention-interface call (its probabilities) and explains the whole layer

@@ -29,7 +29,7 @@ from transformers.activations import ACT2FN
 from ..kernels.delta_rule import delta_rule_output_chunked
 from ..operators import DeltaRuleCore, HeadOperator, gate_norm_rows, masked_tokens
 from ..rules import half_product, sigmoid_gate, silu_rule
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                  "Qwen4ExpTextGatedDeltaNet", "OlmoHybridGatedDeltaNet", "LaraMiniGatedDeltaNet")

@@ -37,10 +37,10 @@ from __future__ import annotations
 import torch
 
 from ..operators import DenseCore, HeadOperator, causal_band, skip_taps
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("InklingAttention", "InklingShortConvolution")
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = ("its convolutions around the attention and after o_proj / the MLP (composed mixers) have "
                    "no rules written yet")
 # the attention adapter takes the layer's recorded attention-interface call (its probabilities)

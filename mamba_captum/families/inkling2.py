@@ -67,7 +67,7 @@ from torch import nn
 
 from ..operators import skip_taps
 from . import inkling
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 # class-name prefixes of the two model types (transformers' modular copies rename every class of inkling2_loop)
 PREFIXES = ("Inkling2", "Inkling2Loop")
@@ -85,7 +85,7 @@ LOOPED_ATTENTION_CLASSES = ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAtt
 # the capture does not record their calls as token attention
 DEPTH_ATTENTION_CLASSES = (*(f"{prefix}BlockAttentionResidual" for prefix in PREFIXES),
                            "Inkling2LoopMessageAttentionResidual")
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = ("its convolutions (some with token-dependent taps) and data-dependent sink / relative "
                    "logits have no rules written yet")
 CONSUMES_ATTENTION = ATTENTION_CLASSES

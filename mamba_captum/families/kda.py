@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..operators import masked_tokens
 from .gated_deltanet import (causal_conv, delta_rule_inputs, delta_rule_lrp, gate_activation, operator_from_pieces,
                              output_modules, silu_mixer)
-from .unhooked import run
+from .common import run
 
 MIXER_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention", "Glm5NextTextLinearAttention")
 

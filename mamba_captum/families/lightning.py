@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
 from ..rules import sigmoid_gate, silu_rule
 from .gated_deltanet import core_output
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("MiniMaxLightningAttention",)
 

@@ -23,7 +23,7 @@ from ..kernels.selective_scan import selective_scan
 from ..kernels.scans import selective_scan_reference
 from ..operators import SelectiveOperator, masked_tokens
 from ..rules import half_product, silu_rule
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer")
 

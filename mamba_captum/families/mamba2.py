@@ -22,7 +22,7 @@ from ..kernels.scans import ssd_scan_reference
 from ..operators import SSDOperator, masked_tokens
 from ..rules import half_product, silu_rule
 from .mamba import check_dtype
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("Mamba2Mixer", "BambaMixer", "Zamba2MambaMixer", "NemotronHMamba2Mixer", "FalconH1Mixer",
                  "GraniteMoeHybridMambaLayer")

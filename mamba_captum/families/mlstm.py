@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..operators import GatedScoresCore, HeadOperator, gate_norm_rows
 from ..rules import sigmoid_gate
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("xLSTMLayer", "mLSTMLayer")
 IGNORES_ATTENTION_MASK = True

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from ..operators import SoftmaxOperator
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("Lfm3VlVisionAttention",)
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = "MambaLRP explains token models; the vision towers over packed patches are not covered"
 NONCAUSAL = True
 # the adapter explains the layer from its recorded attention-interface calls (which are then no maps of their own)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from ..kernels.scans import reset_decay_scan
 from ..operators import DecayOperator
 from ..rules import half_product, identity_rule
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("RecurrentGemmaRecurrentBlock",)
 IGNORES_ATTENTION_MASK = True

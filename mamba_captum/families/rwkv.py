@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..kernels.wkv_scan import wkv_scan_chunked
 from ..operators import DecayOperator
 from ..rules import sigmoid_gate
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("RwkvSelfAttention",)
 IGNORES_ATTENTION_MASK = True

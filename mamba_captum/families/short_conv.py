@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..operators import HeadOperator, masked_tokens
 from ..rules import half_product
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 

@@ -17,10 +17,10 @@ import torch
 
 from ..operators import BidirectionalOperator
 from .mamba import check_dtype, scan_pieces, selective_operator
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("VimMixer",)
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = "MambaLRP explains token models; Vision Mamba is not covered yet"
 NONCAUSAL = True  # every token sees every other: no padding, no causal query context
 

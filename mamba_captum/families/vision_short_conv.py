@@ -23,10 +23,10 @@ import torch
 
 from ..operators import HeadOperator, sparse_conv
 from ..layout import PackedPatches
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("Lfm3VlVisionShortConv",)
-# why MambaLRP has no rules for this family (mamba_captum.families.layers.lrp_plan names it)
+# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = "MambaLRP explains token models; the vision towers over packed patches are not covered"
 NONCAUSAL = True  # the conv reads both sides of each patch on the grid
 

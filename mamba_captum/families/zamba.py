@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..operators import ChannelBlocksOperator, masked_tokens
 from .mamba import check_dtype, lrp_inner, scan_pieces, selective_operator
-from .unhooked import linear_readout, run
+from .common import linear_readout, run
 
 MIXER_CLASSES = ("ZambaMambaMixer",)
 

@@ -1,4 +1,5 @@
-"""Running a layer's submodules during a rebuild without their hooks.
+"""What every adapter uses: running a layer's submodules during a rebuild without their hooks, and the output
+projection as a float64 function.
 
 The rebuild recomputes parts of a token mixer after the real forward pass. Calling the submodules as modules would
 fire the user's forward hooks (and pre-hooks) a second time per call; calling ``module.forward`` runs the same
