@@ -10,10 +10,10 @@ For every covered family (batch 1, L = 12, every bias drawn in [−0.5, 0.5], 3 
   Σ|R| / |f̃|   how much the token relevances cancel (float64, with biases)
 The logits are the head's (the float64 ``lm_head`` on the last hidden state: HF's causal LMs cast theirs to float32).
 
-With ``--guard``: the run-time conservation guard's own comparisons (mamba_captum.lrp.ConservationLedger), the worst
-relative gap over 3 seeds × {no biases; biases in [−0.5, 0.5] with a left-padded example}, B = 2, L = 12, the model's
-own logits, per model dtype: "module" (relevance out − in − biases' share, over the relevance through the module)
-and "model" (Σ relevance + biases' share − the explained score, over the largest of those terms). These are the
+With ``--guard``: the run-time conservation guard's own comparisons (mamba_captum.conservation.ConservationLedger), the
+worst relative gap over 3 seeds × {no biases; biases in [−0.5, 0.5] with a left-padded example}, B = 2, L = 12, the
+model's own logits, per model dtype: "module" (relevance out − in − biases' share, over the relevance through the
+module) and "model" (Σ relevance + biases' share − the explained score, over the largest of those terms). These are the
 measurements behind CONSERVATION_TOLERANCE (docs/methods/lrp.md, "The conservation guard").
 Run:  python benchmarks/lrp_conservation.py [--guard] [families ...]
 """
@@ -82,7 +82,7 @@ def guard_gaps(family, dtype):
                 mask = torch.ones(2, 12, dtype=torch.long)
                 mask[1, :3] = 0
             measured = []
-            mc.MambaLRP(model)._explain(ids, 5, None, mask, None, {}, measured=measured)
+            mc.MambaLRP(model)._relevance_and_gap(ids, 5, None, mask, None, {}, measured=measured)
             for gap in measured:
                 if gap.where == "the whole model":
                     worst_model = max(worst_model, gap.relative)

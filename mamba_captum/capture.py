@@ -10,8 +10,8 @@ was loaded with. Everything else is recomputed from weights by the family adapte
 Hooks record only the forward pass of the thread that opened the capture, and only while that capture is the
 innermost one open in the thread (a forward of the same model run by another thread, or the library called again
 from inside a user's hook, is not mixed into the trace). The attention-interface lookup is wrapped process-wide
-while any capture is open (:data:`ATTENTION_PATCH`, a :class:`mamba_captum.session.SharedPatch`); the wrapper
-records for the calling thread's innermost capture and is transparent for every other thread.
+while any capture is open (:mod:`mamba_captum.attention_capture`); the wrapper records for the calling thread's
+innermost capture and is transparent for every other thread.
 """
 from __future__ import annotations
 
@@ -20,64 +20,12 @@ import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .families import DEPTH_ATTENTION, LocatedMixer
-from .session import SharedPatch, thread_state
-
-
-def open_captures() -> list:
-    """This thread's open captures, innermost last."""
-    return thread_state("captures", list)
-
-
-def _recording_interface(interface):
-    """``interface`` plus recording into the calling thread's innermost open capture (if any). A capture with an
-    ``_attention_call(interface, module, query, key, value, attention_mask, args, kwargs)`` method runs the call
-    itself and returns what the layer gets (:class:`mamba_captum.lrp.LRPForward`)."""
-
-    def recording_interface(module, query, key, value, attention_mask, *args, **kwargs):
-        if type(module).__name__ in DEPTH_ATTENTION:  # a softmax over earlier layers at each token: no token mixer
-            return interface(module, query, key, value, attention_mask, *args, **kwargs)
-        captures = open_captures()
-        if captures and hasattr(captures[-1], "_attention_call"):  # the capture runs the call itself (MambaLRP)
-            return captures[-1]._attention_call(interface, module, query, key, value, attention_mask, args, kwargs)
-        output = interface(module, query, key, value, attention_mask, *args, **kwargs)
-        if captures:
-            captures[-1]._record_attention(module, query, key, value, attention_mask, args, kwargs, output)
-        return output
-
-    return recording_interface
-
-
-def _install_attention_recording():
-    # An instance attribute shadows AttentionInterface.get_interface; every attention module of transformers 5
-    # looks its implementation up through it at call time.
-    had_own = "get_interface" in vars(ALL_ATTENTION_FUNCTIONS)
-    previous = ALL_ATTENTION_FUNCTIONS.get_interface
-
-    def get_interface(attn_implementation, default):
-        return _recording_interface(previous(attn_implementation, default))
-
-    ALL_ATTENTION_FUNCTIONS.get_interface = get_interface
-    return had_own, previous, get_interface
-
-
-def _uninstall_attention_recording(token):
-    had_own, previous, ours = token
-    if vars(ALL_ATTENTION_FUNCTIONS).get("get_interface") is not ours:
-        return  # someone replaced it after us: leave theirs
-    if had_own:
-        ALL_ATTENTION_FUNCTIONS.get_interface = previous
-    else:
-        del ALL_ATTENTION_FUNCTIONS.get_interface
-
-
-ATTENTION_PATCH = SharedPatch(_install_attention_recording, _uninstall_attention_recording)
+from .attention_capture import ATTENTION_PATCH, AttentionCall, attention_call, open_captures
+from .families import LocatedMixer
 
 
 @dataclass
@@ -94,23 +42,6 @@ class MixerCall:
     options: dict = field(default_factory=dict)  # the mixer's other keyword arguments (e.g. position_ids)
     # submodules that carry the user's hooks: (path, module, input before any pre-hook, output after every hook)
     hooked: list = field(default_factory=list)
-
-
-@dataclass
-class AttentionCall:
-    """One call of HF's attention interface during the captured forward pass."""
-
-    layer: int
-    module: nn.Module
-    query: torch.Tensor  # (B, Hq, L, d)
-    key: torch.Tensor  # (B, Hkv, L, d)
-    value: torch.Tensor  # (B, Hkv, L, d)
-    attention_mask: torch.Tensor | None
-    scaling: float | None
-    options: dict[str, Any]  # sliding_window, softcap, is_causal, position_bias, sinks, cu_seq_lens_q / _k (varlen)
-    output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
-    output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
-    input_effects: list | None = None  # per target, (B, L) gradient × input at query and key (selection-aware)
 
 
 @dataclass
@@ -152,18 +83,6 @@ def mixer_arguments(args, kwargs) -> tuple:
         mask = None  # the mixers only ever use a 2-D padding mask
     options = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "attention_mask")}
     return hidden, mask, options
-
-
-ATTENTION_OPTIONS = ("sliding_window", "softcap", "is_causal", "position_bias", "sinks", "cu_seq_lens_q",
-                     "cu_seq_lens_k")
-
-
-def attention_call(layer, module, query, key, value, attention_mask, args, kwargs, output) -> AttentionCall:
-    """The :class:`AttentionCall` of one call of HF's attention interface (tensors as given, not detached)."""
-    scaling = kwargs.get("scaling", args[0] if args else None)
-    options = {k: kwargs[k] for k in ATTENTION_OPTIONS if k in kwargs}
-    attn_out = output[0] if isinstance(output, tuple) else output
-    return AttentionCall(layer, module, query, key, value, attention_mask, scaling, options, attn_out)
 
 
 def _trampoline(capture, method: str, *bound):
@@ -390,7 +309,7 @@ class LayerCapture(contextlib.AbstractContextManager):
         raise RuntimeError(f"mamba_captum: no recorded call for {located.name}")  # hooks fire in order
 
     def _record_attention(self, module, query, key, value, attention_mask, args, kwargs, output):
-        """Called by the attention-interface wrapper for calls of this thread (see :func:`_recording_interface`)."""
+        """Called by the attention-interface wrapper for calls of this thread (see :mod:`mamba_captum.attention_capture`)."""
         layer = self._current_layer()
         if not self.record_attention or layer is None or (self.layers is not None and layer not in self.layers):
             return

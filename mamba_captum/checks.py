@@ -13,7 +13,7 @@ import numbers
 import torch
 from torch import nn
 
-from .dispatch import is_dispatched
+from .offload import is_dispatched
 
 
 class NonFiniteError(ValueError):

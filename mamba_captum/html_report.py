@@ -143,7 +143,7 @@ IMAGE_STYLE = """
 
 
 def render_image_html(explanations, *, title: str = "mamba-captum report") -> str:
-    """The report of :class:`~mamba_captum.vision_explain.ImageExplanation` s as one HTML string: per image, the
+    """The report of :class:`~mamba_captum.explain.images.ImageExplanation` s as one HTML string: per image, the
     image and one overlay per method (images inlined; no scripts, no external resources)."""
     settings = {**(explanations[0].settings if explanations else {}), "mamba-captum": __version__}
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"

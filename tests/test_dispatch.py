@@ -14,7 +14,7 @@ import mamba_captum as mc
 from mamba_captum import cli
 from mamba_captum.callback import AttributionCallback
 from mamba_captum.demo import model_dir
-from mamba_captum.dispatch import is_dispatched, loaded_weights
+from mamba_captum.offload import is_dispatched, loaded_weights
 from mamba_captum.explain import load
 
 # a pure SSM of each kind, hybrids with softmax attention (Jamba), a shared block (Zamba2), the delta rule

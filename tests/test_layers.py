@@ -69,14 +69,18 @@ def test_no_module_imports_a_private_name_of_another():
         "\n".join(found)
 
 
-def test_importing_the_package_loads_no_application():
-    # the facade loads the library (engine, attribution classes, visualisation) and the vision model zoo
-    # (mamba_captum.vision, as it always has); the applications and the reports load when used
+def test_importing_the_package_loads_no_adapter_zoo_or_application():
+    # the facade loads the engine, the attribution classes and the visualisation records; the family adapters load
+    # when a model needs them, the vision model zoo on first use of mamba_captum.vision, the applications when used
     show = "import sys, mamba_captum; print(' '.join(sorted(m for m in sys.modules if m.startswith('mamba_captum'))))"
     done = subprocess.run([sys.executable, "-c", show], capture_output=True, text=True, check=True)
     loaded = set(done.stdout.split())
-    assert "mamba_captum.attr" in loaded and "mamba_captum.vision" in loaded
-    applications = ("mamba_captum.cli", "mamba_captum.callback", "mamba_captum.inseq_method", "mamba_captum.evaluation",
-                    "mamba_captum.demo", "mamba_captum.explain", "mamba_captum.html_report",
-                    "mamba_captum.vision_explain")
-    assert not sorted(m for m in loaded if m in applications or m.startswith(tuple(a + "." for a in applications)))
+    assert {"mamba_captum.attr", "mamba_captum.attention", "mamba_captum.families.registry"} <= loaded
+    from mamba_captum.families.registry import FAMILY_MIXERS
+    adapters = tuple(f"mamba_captum.families.{family}" for family in FAMILY_MIXERS)
+    assert "mamba_captum.families.mamba" in adapters
+    not_at_import = ("mamba_captum.cli", "mamba_captum.callback", "mamba_captum.inseq_method", "mamba_captum.evaluation",
+                     "mamba_captum.demo", "mamba_captum.explain", "mamba_captum.html_report", "mamba_captum.vision",
+                     *adapters)
+    assert not sorted(m for m in loaded
+                      if m in not_at_import or m.startswith(tuple(name + "." for name in not_at_import)))

@@ -8,7 +8,7 @@ from test_inkling import inkling_text
 from tiny_models import make_model
 
 import mamba_captum as mc
-from mamba_captum import attention
+from mamba_captum.rebuild import MapStream
 
 
 # a pure SSM, softmax layers, Zamba2's shared block ("{i}.shared_attention"), FalconH1's parallel sum, Inkling's
@@ -20,14 +20,14 @@ def test_streamed_maps_are_the_operators_maps_with_one_layer_alive(family, monke
     operators, _, _ = mc.build_operators(model, ids)
     expected = {key: operator.maps("mean", torch.tensor([3, 10])) for key, operator in operators.items()}
     alive = []
-    streamed = attention._MapStream.__call__
+    streamed = MapStream.__call__
 
     def watched(self, trace, index):
         recorded = [call.located.layer for call in trace.mixer_calls if call.hidden_states is not None]
         alive.append((index, sorted(set(recorded))))
         return streamed(self, trace, index)
 
-    monkeypatch.setattr(attention._MapStream, "__call__", watched)
+    monkeypatch.setattr(MapStream, "__call__", watched)
     maps = mc.implicit_attention(model, ids, rows=[3, -1])
     assert list(maps) == list(expected)  # the same keys, in execution order
     for key, value in expected.items():

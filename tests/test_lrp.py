@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import mamba_captum as mc
 from mamba_captum import rules
-from mamba_captum.capture import ATTENTION_PATCH
+from mamba_captum.attention_capture import ATTENTION_PATCH
 from tiny_models import LINEAR_CONFIGS, make_model
 
 TARGET = 5
@@ -129,7 +129,7 @@ def explain_with_share(model, ids, mask=None, target=TARGET, **forward_kwargs):
     biases = [p for n, p in model.named_parameters() if n.endswith("bias") and p.requires_grad]
     head = float64_head(model)
     method = mc.MambaLRP(model, forward_func=head)
-    relevance, delta, share = method._explain(ids, target, None, mask, None, forward_kwargs, parameters=biases)
+    relevance, delta, share = method._relevance_and_gap(ids, target, None, mask, None, forward_kwargs, parameters=biases)
     with torch.no_grad():
         real = head(ids, attention_mask=mask, **forward_kwargs)[:, target]
     modified = relevance.sum(-1).double() - delta  # delta = Σ relevance − the modified forward's score
@@ -248,7 +248,7 @@ def modified_logits(model, ids, mask=None, **kwargs):
     from mamba_captum.checks import model_dtype
     from mamba_captum.families import locate
     from mamba_captum.families.lrp_plan import lrp_plan
-    from mamba_captum.lrp import LRPForward
+    from mamba_captum.lrp_forward import LRPForward
 
     dtype = model_dtype(model)
     plan = lrp_plan(model, locate(model)[1])
@@ -353,8 +353,8 @@ def test_softmax_layers_pass_relevance_through_the_values_only(family):
     method = mc.MambaLRP(model)
     queries_keys = [m.q_proj.weight for m in attention] + [m.k_proj.weight for m in attention]
     values = [m.v_proj.weight for m in attention]
-    assert method._explain(ids, TARGET, None, None, None, {}, parameters=queries_keys)[2] == 0.0  # P̄: no gradient
-    assert method._explain(ids, TARGET, None, None, None, {}, parameters=values)[2] != 0.0
+    assert method._relevance_and_gap(ids, TARGET, None, None, None, {}, parameters=queries_keys)[2] == 0.0  # P̄: no gradient
+    assert method._relevance_and_gap(ids, TARGET, None, None, None, {}, parameters=values)[2] != 0.0
 
 
 def test_rwkv_wkv_weights_pass_no_relevance():
@@ -364,8 +364,8 @@ def test_rwkv_wkv_weights_pass_no_relevance():
     ids = torch.randint(3, 64, (1, 8))
     method = mc.MambaLRP(model)
     selection = [p for m in blocks for p in (m.time_decay, m.time_first, m.key.weight)]
-    assert method._explain(ids, TARGET, None, None, None, {}, parameters=selection)[2] == 0.0
-    assert method._explain(ids, TARGET, None, None, None, {}, parameters=[m.value.weight for m in blocks])[2] != 0.0
+    assert method._relevance_and_gap(ids, TARGET, None, None, None, {}, parameters=selection)[2] == 0.0
+    assert method._relevance_and_gap(ids, TARGET, None, None, None, {}, parameters=[m.value.weight for m in blocks])[2] != 0.0
 
 
 def test_a_sequence_classifier_explains_its_pooled_logit():
@@ -516,7 +516,7 @@ def test_a_rule_with_a_wrong_gradient_raises_instead_of_returning(monkeypatch, d
     but leaks relevance: the guard raises, naming the module, the measured gap and the tolerance."""
     import re
 
-    from mamba_captum.lrp import conservation_tolerance
+    from mamba_captum.conservation import conservation_tolerance
 
     model = make_model("jamba", dtype=dtype)
     ids = torch.randint(3, 64, (2, 7))
@@ -606,7 +606,7 @@ def test_the_guard_checks_frozen_biases_and_leaves_them_frozen():
     only (their shares come from their gradients), and no comparison is skipped."""
     import warnings
 
-    from mamba_captum.lrp import ConservationGap
+    from mamba_captum.conservation import ConservationGap
 
     model = make_model("mamba2", **CONSERVING["mamba2"])
     spread_biases(model)
@@ -614,7 +614,7 @@ def test_the_guard_checks_frozen_biases_and_leaves_them_frozen():
     measured: list[ConservationGap] = []
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        mc.MambaLRP(model)._explain(torch.randint(3, 64, (2, 6)), TARGET, None, None, None, {}, measured=measured)
+        mc.MambaLRP(model)._relevance_and_gap(torch.randint(3, 64, (2, 6)), TARGET, None, None, None, {}, measured=measured)
     mixers = [gap for gap in measured if "Mamba2Mixer" in gap.where]
     assert len(mixers) == 2 and all(gap.example is None for gap in mixers)  # biased: compared over the batch
     assert all(gap.relative <= gap.tolerance for gap in measured)

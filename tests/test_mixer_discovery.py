@@ -580,7 +580,7 @@ def classify() -> dict[str, tuple[str, str]]:
     table = {}
     for name in survey().found:
         if name in families.ADAPTERS:
-            table[name] = ("supported", families.ADAPTERS[name].__name__)
+            table[name] = ("supported", families.ADAPTERS[name].name)
         elif name in inside:
             table[name] = ("inside", inside[name])
         elif name in catalogue.EXCLUDED:

@@ -13,6 +13,7 @@ from conftest import relative_error
 from tiny_models import VOCAB, make_model
 
 import mamba_captum as mc
+from mamba_captum import scan_swaps  # the dispatchers look the fast scans up there
 from mamba_captum.kernels.rglru_scan import rglru_scan_chunked, rglru_scan_naive, rglru_scan_triton
 from mamba_captum.kernels.wkv_scan import wkv_scan_chunked, wkv_scan_naive, wkv_scan_triton
 
@@ -171,12 +172,12 @@ def test_rglru_triton_equals_the_per_token_loop(with_state):
 
 # -- fast_scans on the models ----------------------------------------------------------------------------------------
 def count_calls(monkeypatch, name):
-    """Count the calls that reach the fast scan ``name`` of mamba_captum.fast_scans (the once-per-process swap
-    checks, which call it too, run first)."""
+    """Count the calls that reach the fast scan ``name`` the dispatchers call (mamba_captum.scan_swaps; the
+    once-per-process swap checks, which call it too, run first)."""
     with mc.fast_scans():
         pass
-    calls, real = [], getattr(fast_scans_module, name)
-    monkeypatch.setattr(fast_scans_module, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], getattr(scan_swaps, name)
+    monkeypatch.setattr(scan_swaps, name, lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

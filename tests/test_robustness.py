@@ -492,7 +492,7 @@ def test_half_precision_maps_reproduce_the_real_layer_within_the_guarantee(famil
 
 
 def test_float16_gradients_are_loss_scaled_and_backed_off_on_overflow(monkeypatch):
-    from mamba_captum.attr._explain import FLOAT16_GRAD_SCALE, scaled_grad
+    from mamba_captum.attr._gradient import FLOAT16_GRAD_SCALE, scaled_grad
 
     passes = []
     plain_grad = torch.autograd.grad

@@ -15,11 +15,12 @@ import transformers.models.mamba.modeling_mamba as hf_mamba
 from tiny_models import VOCAB, make_model
 
 import mamba_captum as mc
+from mamba_captum import scan_checks, scan_swaps
 
 fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
 MAMBA1_KEY = hf_mamba.__name__
 SSD_KEY = fast_scans_module.SSD_MODULES["Mamba2Mixer"]
-# family -> (its swap key, the fast scan its dispatcher calls on the CPU: the name looked up in fast_scans)
+# family -> (its swap key, the fast scan its dispatcher calls on the CPU: the name looked up in scan_swaps)
 FAMILIES = {
     "mamba": (MAMBA1_KEY, "selective_scan_chunked"),
     "mamba2": (SSD_KEY, "ssd_scan_reference"),
@@ -37,15 +38,15 @@ def fresh_swap_checks():
 
 
 def changed(monkeypatch, name, change):
-    """Replace the fast scan ``name`` of mamba_captum.fast_scans by ``change`` applied to its result; returns the
-    list its calls are counted in."""
-    calls, real = [], getattr(fast_scans_module, name)
+    """Replace the fast scan ``name`` the dispatchers call (mamba_captum.scan_swaps) by ``change`` applied to its
+    result; returns the list its calls are counted in."""
+    calls, real = [], getattr(scan_swaps, name)
 
     def scan(*args, **kwargs):
         calls.append(1)
         return change(real(*args, **kwargs))
 
-    monkeypatch.setattr(fast_scans_module, name, scan)
+    monkeypatch.setattr(scan_swaps, name, scan)
     return calls
 
 
@@ -160,7 +161,7 @@ def test_a_function_or_module_this_transformers_lacks_means_nothing_to_swap(monk
 
 def test_each_swap_is_checked_once_per_process_whatever_the_threads(monkeypatch):
     counts, real = collections.Counter(), fast_scans_module.check_swap
-    monkeypatch.setattr(fast_scans_module, "check_swap", lambda key: counts.update([key]) or real(key))
+    monkeypatch.setattr(scan_checks, "check_swap", lambda key: counts.update([key]) or real(key))
     threads, barrier, seen, errors = 4, threading.Barrier(4), [], []
 
     def enter():
@@ -191,7 +192,7 @@ def test_the_check_finds_hfs_function_behind_an_installed_dispatcher_and_ignores
     with mc.fast_scans(make_model("mamba")):
         assert hf_mamba.mamba_selective_scan is not original
         fast_scans_module.reset_swap_checks()
-        assert fast_scans_module._hf_function(MAMBA1_KEY) is original
+        assert scan_checks._hf_function(MAMBA1_KEY) is original
         with torch.inference_mode():  # the library's own forwards may run without grad
             results = [fast_scans_module.check_swap(key) for key, _ in FAMILIES.values()]
     assert all(result.swapped for result in results), results

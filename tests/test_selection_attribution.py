@@ -8,7 +8,7 @@ from test_engine import assert_untouched, model_state
 from tiny_models import make_model
 
 import mamba_captum as mc
-from mamba_captum.attr._explain import Runner
+from mamba_captum.attr._runner import Runner
 from mamba_captum.attr.selection_attribution import selection_share, spread_share
 
 TARGET = 5
@@ -83,7 +83,7 @@ def test_the_query_spread_is_exact_at_the_last_layer():
 
 
 def test_spreads_on_a_hand_computed_case():
-    from mamba_captum.attr._explain import Query
+    from mamba_captum.attr._rollout import Query
 
     G = torch.tensor([[[1.0, 0.0, 0.0], [2.0, 1.0, 0.0], [-2.0, 0.0, 3.0]]])
     effects = torch.tensor([[0.0, 4.0, 5.0]])

@@ -102,19 +102,20 @@ def test_swapped_only_inside_and_restored_on_every_exit():
 def test_dispatch_keeps_mamba_ssm_on_cuda_then_triton_then_the_chunked_scan(monkeypatch):
     from types import SimpleNamespace
 
-    fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
+    from mamba_captum import scan_swaps  # the dispatchers, and the fast scans they look up
+
     calls = []
-    monkeypatch.setattr(fast_scans_module, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
-    monkeypatch.setattr(fast_scans_module, "selective_scan_triton", lambda *a, **k: calls.append("triton"))
-    dispatch = fast_scans_module._dispatcher(hf_mamba.__name__, lambda *a, **k: calls.append("original"))
+    monkeypatch.setattr(scan_swaps, "selective_scan_chunked", lambda *a, **k: calls.append("chunked"))
+    monkeypatch.setattr(scan_swaps, "selective_scan_triton", lambda *a, **k: calls.append("triton"))
+    dispatch = scan_swaps._dispatcher(hf_mamba.__name__, lambda *a, **k: calls.append("original"))
     others = [torch.zeros(1)] * 4  # dt, A, B, C: unread by the dispatch
     dispatch(torch.zeros(1), *others)  # a thread outside fast_scans(): HF's own function
     assert calls == ["original"]
     calls.clear()
-    monkeypatch.setitem(fast_scans_module._thread_depth(), hf_mamba.__name__, 1)
+    monkeypatch.setitem(scan_swaps.thread_depth(), hf_mamba.__name__, 1)
     cuda = lambda dtype: SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=dtype)  # noqa: E731
     for has_mamba_ssm in (True, False):
-        monkeypatch.setattr(fast_scans_module, "_has_mamba_ssm", lambda: has_mamba_ssm)
+        monkeypatch.setattr(scan_swaps, "_has_mamba_ssm", lambda: has_mamba_ssm)
         dispatch(cuda(torch.float32), *others)
     dispatch(cuda(torch.float64), *others)
     dispatch(torch.zeros(1), *others)

@@ -10,6 +10,7 @@ from conftest import relative_error
 from tiny_models import VOCAB, make_model
 
 import mamba_captum as mc
+from mamba_captum import scan_swaps  # the dispatchers look the fast scans up there
 
 fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
 HF_MAMBA2 = importlib.import_module(fast_scans_module.SSD_MODULES["Mamba2Mixer"])
@@ -44,9 +45,9 @@ def test_the_swapped_scan_equals_hfs_output_state_and_gradients(length, with_sta
     tensors, weights = scan_inputs(length, with_state=with_state)
     expected = results(HF_MAMBA2.mamba2_chunk_scan, tensors, weights)
     calls = []
-    real = fast_scans_module.ssd_scan_reference
+    real = scan_swaps.ssd_scan_reference
     with pytest.MonkeyPatch.context() as patch, mc.fast_scans():
-        patch.setattr(fast_scans_module, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+        patch.setattr(scan_swaps, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
         got = results(HF_MAMBA2.mamba2_chunk_scan, tensors, weights)
     assert calls == [1]
     for a, b in zip(got, expected):  # two float32 paths, each ≤ 7e-7 from a float64 evaluation (measured)
@@ -59,9 +60,9 @@ def test_hfs_function_stays_for_other_keywords_outside_the_context_and_without_a
     with mc.fast_scans():  # the once-per-process swap checks, which call the fast scan too, before the count
         pass
     calls = []
-    real = fast_scans_module.ssd_scan_reference
+    real = scan_swaps.ssd_scan_reference
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fast_scans_module, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+        patch.setattr(scan_swaps, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
         with mc.fast_scans():
             seq_idx = torch.zeros(2, 9, dtype=torch.int32)  # packed sequences: HF's function (which refuses them)
             with pytest.raises(ValueError, match="packed sequences"):
@@ -91,9 +92,9 @@ def test_models_give_hfs_logits_and_gradients_on_the_fast_ssd(family):
 
     expected = run()
     calls = []
-    real = fast_scans_module.ssd_scan_reference
+    real = scan_swaps.ssd_scan_reference
     with pytest.MonkeyPatch.context() as patch, mc.fast_scans(model):
-        patch.setattr(fast_scans_module, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
+        patch.setattr(scan_swaps, "ssd_scan_reference", lambda *a, **k: calls.append(1) or real(*a, **k))
         got = run()
     assert len(calls) == FAMILIES[family] and len(got) == len(expected)
     for a, b in zip(got, expected):  # two float32 paths

@@ -13,7 +13,7 @@ from conftest import relative_error
 from tiny_models import VIM, make_vim
 
 import mamba_captum as mc
-import mamba_captum.vision.vim as vim_module
+import mamba_captum.vision.modeling_vim as vim_module
 from mamba_captum.vision import TokenLayout, load_vim, preprocess, read_checkpoint, to_display, vim_small, vim_tiny
 from mamba_captum.vision.checkpoints import VARIANTS
 

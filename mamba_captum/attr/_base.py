@@ -11,8 +11,9 @@ from captum.log import log_usage
 
 from ..checks import check_finite, unwrap_parallel
 from ..session import session
-from ._explain import Runner, as_attributions, check_reduce, format_inputs, start_layer_index
+from ._inputs import as_attributions, check_reduce, format_inputs, start_layer_index
 from ._generation import generation_queries, generation_result
+from ._runner import Runner
 
 RECIPES = ("product", "official")
 
@@ -82,23 +83,23 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         return [name for name, p in inspect.signature(self._options).parameters.items()
                 if name not in ("recipe", "start_layer", "reduce") and p.kind is p.POSITIONAL_OR_KEYWORD]
 
-    def _explain(self, inputs, target, additional_forward_args, attention_mask, position, formulation, start_layer,
-                 reduce, components, recipe, forward_kwargs, queries=None, **extra):
+    def _relevance_per_query(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
+                             start_layer, reduce, components, recipe, forward_kwargs, queries=None, **extra):
         self._runner.refresh()  # the model's layers as they are now
         options, start = self._options(recipe, start_layer, reduce, **extra)
         # session: one call at a time on this model, a plain eager forward, RWKV's rescaling undone after the
         # rebuild (which needs the weights the forward used)
         with session(self.model, self._runner.decoder_layers, self._runner.forward_func):
-            explained, relevance = self._explain_preserved(inputs, target, additional_forward_args, attention_mask,
-                                                           position, formulation, components, forward_kwargs,
-                                                           queries, options, start)
+            explained, relevance = self._captured_relevance(inputs, target, additional_forward_args, attention_mask,
+                                                            position, formulation, components, forward_kwargs,
+                                                            queries, options, start)
         for scores in relevance:
             check_finite(scores, f"the {type(self).__name__} relevance (please report this: every layer's output "
                          "was finite and reproduced)")
         return explained, relevance
 
-    def _explain_preserved(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
-                           components, forward_kwargs, queries, options, start):
+    def _captured_relevance(self, inputs, target, additional_forward_args, attention_mask, position, formulation,
+                            components, forward_kwargs, queries, options, start):
         names = [n for n in inspect.signature(self.attribute).parameters if n != "forward_kwargs"]
         explained = self._runner.run(
             inputs, attention_mask=attention_mask, position=position, queries=queries, targets=target,
@@ -154,8 +155,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
             tuple.
         """
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
-        _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
-                                     formulation, start_layer, reduce, components, recipe, forward_kwargs)
+        _, relevance = self._relevance_per_query(inputs_tensor, target, additional_forward_args, attention_mask,
+                                                 position, formulation, start_layer, reduce, components, recipe,
+                                                 forward_kwargs)
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
                                self._runner.packed)
 
@@ -195,6 +197,7 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
                                                                        gen_args)
         queries = [(torch.tensor([prompt.shape[1] - 1 + t], device=full.device), target_ids[t:t + 1])
                    for t in range(target_ids.shape[0])]
-        explained, relevance = self._explain(full, None, None, None, None, formulation, start_layer, reduce,
-                                             components, recipe, kwargs, queries=queries, **method_options)
+        explained, relevance = self._relevance_per_query(full, None, None, None, None, formulation, start_layer,
+                                                         reduce, components, recipe, kwargs, queries=queries,
+                                                         **method_options)
         return generation_result(inp, prompt, target_ids, tokenizer, keep, explained, relevance)

@@ -12,7 +12,7 @@ from ..session import session
 def generation_queries(model, runner, inp, target, tokenizer, gen_args):
     """Prompt ids (1, Lp), full ids (1, Lp + T), target ids (T,), tokenizer, kept prompt positions (Lp,) bool.
 
-    ``runner``: the method's :class:`~mamba_captum.attr._explain.Runner` (its ``forward_func`` and
+    ``runner``: the method's :class:`~mamba_captum.attr._runner.Runner` (its ``forward_func`` and
     ``decoder_layers``)."""
     if runner.forward_func is not None:
         raise TypeError("mamba_captum: attribute_generation explains a *ForCausalLM model's next-token logits; "

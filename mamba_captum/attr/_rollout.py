@@ -1,9 +1,13 @@
-"""Rollout arithmetic shared by the methods (DESIGN.md §4): row normalisation, min-max, the running product.
+"""Rollout arithmetic shared by the methods (DESIGN.md §4): row normalisation, min-max, the running product; the
+explained query (:class:`Query`) and the rows it reads.
 
 Shapes: B batch, L tokens. Padding tokens have zero rows and columns in every map, so after ``I +`` their rows
 are unit rows and they never receive relevance from a real query.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -89,3 +93,67 @@ def drop_query(relevance: torch.Tensor, positions: torch.Tensor) -> torch.Tensor
     relevance = relevance.clone()
     relevance[torch.arange(relevance.shape[0], device=relevance.device), positions.to(relevance.device)] = 0
     return relevance.clamp(min=0)
+
+
+@dataclass
+class Query:
+    """One explained output: the query row per example and, for class-specific methods, the target per example.
+
+    A pooled head (an image model that reads the mean over its tokens) has no single query row: ``weights`` (B, L)
+    says how it reads the rows, and every row-based result is the ``weights``-combination of the rows (rollout and
+    raw attention are linear in the query's one-hot vector)."""
+
+    positions: torch.Tensor  # (B,) long, the query token of each example (unused when ``weights`` is set)
+    targets: torch.Tensor | None = None  # (B,) long, the explained class / next token of each example
+    weights: torch.Tensor | None = None  # (B, L) a pooled query: Σ_q weights[b, q] · row q
+    causal: bool = True  # False for non-causal models (Vim): every token is in the query's context
+
+    @property
+    def pooled(self) -> bool:
+        return self.weights is not None
+
+    def context(self, mask: torch.Tensor) -> torch.Tensor:
+        """(B, L): 1 on the real tokens the query can see (j ≤ q for causal models; all real tokens for non-causal
+        ones and pooled queries). Min-max normalisations run over these only, so a query in the middle of a causal
+        sequence gets the result it gets as the last token."""
+        if not self.causal or self.pooled:
+            return mask
+        index = torch.arange(mask.shape[1], device=mask.device)
+        return mask * (index[None, :] <= self.positions[:, None].to(mask.device)).to(mask.dtype)
+
+    def row_of(self, product, length: int) -> torch.Tensor:
+        """The query's row (B, L) of a :class:`RunningProduct` ρ: ``ρ[b, q_b]``, or ``weights[b] @ ρ[b]``."""
+        if self.weights is None:
+            return product.rows(self.positions, length)
+        return product.weighted_rows(self.weights)
+
+    def gather(self, rows_by_position: dict) -> torch.Tensor:
+        """Per example, the query's row from ``rows_by_position[p]`` (B, ...) (for a pooled query, the
+        ``weights``-combination of all of them) -> (B, ...)."""
+        if self.weights is None:
+            return gather_rows(rows_by_position, self.positions)
+        total = 0
+        for position, rows in rows_by_position.items():
+            weight = self.weights[:, position].to(rows.dtype)
+            total = total + weight.reshape(-1, *([1] * (rows.dim() - 1))) * rows
+        return total
+
+
+def gather_rows(rows_by_position: dict, positions: torch.Tensor) -> torch.Tensor:
+    """Per example b, the row computed for query positions[b]: rows_by_position[p] is (B, ...) -> (B, ...)."""
+    return torch.stack([rows_by_position[int(p)][b] for b, p in enumerate(positions.tolist())])
+
+
+def unique_positions(queries: Sequence[Query], length: int | None = None) -> list[int]:
+    """The query rows to compute: the queries' positions, or every row when a query is pooled."""
+    if any(q.pooled for q in queries):
+        return list(range(length))
+    return sorted({int(p) for q in queries for p in q.positions.tolist()})
+
+
+def refuse_pooled(queries: Sequence[Query], recipe: str = "official"):
+    """The official recipes read one query row (the CLS token's); a pooled head has none."""
+    if any(q.pooled for q in queries):
+        raise ValueError(f"mamba_captum: recipe={recipe!r} reads the CLS token's row, and this model has no CLS "
+                         "token (its head reads the mean over the tokens); use recipe='product', which explains "
+                         "the mean of the rows.")

@@ -20,9 +20,9 @@ from captum.attr import GradientAttribution
 from captum.log import log_usage
 
 from ._base import ImplicitAttentionMethod
-from ._explain import as_attributions, format_inputs, refuse_pooled, unique_positions
+from ._inputs import as_attributions, format_inputs
 from ._rollout import (NORMALISATIONS, SIGNS, RunningProduct, add_identity, broadcast_row, drop_query, layer_weights,
-                       minmax, row_normalise, rollout_step)
+                       minmax, refuse_pooled, row_normalise, rollout_step, unique_positions)
 
 GRADIENT_RULES = ("residual", "grad_x_operator")
 
@@ -79,9 +79,10 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         The defaults are the best measured on the trained planted-answer models of docs/faithfulness.md.
         ``target=None`` explains the argmax class / token of each example. Returns (B, L) as the inputs."""
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
-        _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
-                                     formulation, start_layer, reduce, components, recipe, forward_kwargs,
-                                     gradient_rule=gradient_rule, sign=sign, normalise=normalise)
+        _, relevance = self._relevance_per_query(inputs_tensor, target, additional_forward_args, attention_mask,
+                                                 position, formulation, start_layer, reduce, components, recipe,
+                                                 forward_kwargs, gradient_rule=gradient_rule, sign=sign,
+                                                 normalise=normalise)
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
                                self._runner.packed)
 

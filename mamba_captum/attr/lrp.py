@@ -8,10 +8,11 @@ normalisers detached, SiLU / sigmoid / GELU by the identity rule, multiplicative
 model's value and is linear in the embeddings and the biases, so Σ_t R[b, t] = logit − (the biases' share)
 (``return_convergence_delta=True`` gives that difference). Per family: docs/methods/lrp.md.
 
-Every call checks that identity at run time, from its own backward pass (:class:`mamba_captum.lrp.ConservationLedger`):
-per replaced module and per example, relevance out − relevance in = the share of the biases it reads, and over the
-whole model Σ relevance + the biases' share = the explained score; beyond the dtype's tolerance
-(:data:`mamba_captum.lrp.CONSERVATION_TOLERANCE`) it raises :class:`ConservationError` instead of returning.
+Every call checks that identity at run time, from its own backward pass
+(:class:`mamba_captum.conservation.ConservationLedger`): per replaced module and per example, relevance out − relevance
+in = the share of the biases it reads, and over the whole model Σ relevance + the biases' share = the explained score;
+beyond the dtype's tolerance (:data:`mamba_captum.conservation.CONSERVATION_TOLERANCE`) it raises
+:class:`ConservationError` instead of returning.
 """
 from __future__ import annotations
 
@@ -25,18 +26,21 @@ from captum.log import log_usage
 from .. import checks, families, rules
 from ..attention import ReconstructionError
 from ..checks import check_finite, check_forward_devices, check_inputs, unwrap_parallel
-from ..dispatch import is_dispatched
+from ..conservation import ConservationGap, requiring_grad, rule_biases
 from ..families.lrp_plan import lrp_plan
 from ..fast_scans import fast_scans
-from ..lrp import ConservationGap, LRPForward, requiring_grad, rule_biases
+from ..lrp_forward import LRPForward
+from ..offload import is_dispatched
 from ..session import session
-from ._explain import Runner, format_inputs, format_mask, format_positions, format_targets, scaled_grad
+from ._gradient import scaled_grad
+from ._inputs import format_inputs, format_mask, format_positions, format_targets
+from ._runner import Runner
 
 
 class ConservationError(ReconstructionError):
     """MambaLRP's relevance is not conserved: through one replaced module (relevance out − relevance in − the share
     of its biases), or over the whole model (Σ relevance + the biases' share − the explained score as it enters the
-    model's output head), beyond the dtype's tolerance (:data:`mamba_captum.lrp.CONSERVATION_TOLERANCE`). The
+    model's output head), beyond the dtype's tolerance (:data:`mamba_captum.conservation.CONSERVATION_TOLERANCE`). The
     relevance is not returned."""
 
 
@@ -147,20 +151,21 @@ class MambaLRP(GradientAttribution):
         """
         inputs_tensor, was_tuple = format_inputs(inputs)
         with rules.sigmoid_gates(sigmoid_gates):
-            relevance, delta = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
+            relevance, delta = self._relevance_and_gap(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                              forward_kwargs)
         out = (relevance,) if was_tuple else relevance
         return (out, delta) if return_convergence_delta else out
 
-    def _explain(self, inputs, target, additional_forward_args, attention_mask, position, forward_kwargs,
-                 parameters=None, measured=None):
+    def _relevance_and_gap(self, inputs, target, additional_forward_args, attention_mask, position, forward_kwargs,
+                           parameters=None, measured=None):
         """(relevance, delta); with ``parameters`` (tensors that require grad, e.g. the biases) also
         Σ_p ⟨∂ Σ_b score_b / ∂p, p⟩ under the rules, their share of the explained scores (the tests' bias share).
 
-        The conservation guard (:class:`mamba_captum.lrp.ConservationLedger`) compares, from the same backward pass,
-        every replaced module's relevance in and out and the whole model's sum with the explained score, and raises
-        :class:`ConservationError` beyond the dtype's tolerance; given a list as ``measured``, it appends the
-        comparisons (:class:`mamba_captum.lrp.ConservationGap`) there instead of raising (the benchmark's figures).
+        The conservation guard (:class:`mamba_captum.conservation.ConservationLedger`) compares, from the same
+        backward pass, every replaced module's relevance in and out and the whole model's sum with the explained
+        score, and raises :class:`ConservationError` beyond the dtype's tolerance; given a list as ``measured``, it
+        appends the comparisons (:class:`mamba_captum.conservation.ConservationGap`) there instead of raising (the
+        benchmark's figures).
         """
         runner = self._runner
         runner.refresh()

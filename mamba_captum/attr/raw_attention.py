@@ -9,8 +9,7 @@ from __future__ import annotations
 import torch
 
 from ._base import ImplicitAttentionMethod
-from ._explain import refuse_pooled, unique_positions
-from ._rollout import drop_query, minmax
+from ._rollout import drop_query, minmax, refuse_pooled, unique_positions
 
 
 class MambaRawAttention(ImplicitAttentionMethod):

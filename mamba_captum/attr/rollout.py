@@ -7,8 +7,8 @@ official: the official notebooks' rank-1 rollout: v^ℓ = channel-mean query row
 from __future__ import annotations
 
 from ._base import ImplicitAttentionMethod
-from ._explain import refuse_pooled, unique_positions
-from ._rollout import RunningProduct, add_identity, broadcast_row, drop_query, row_normalise, rollout_step
+from ._rollout import (RunningProduct, add_identity, broadcast_row, drop_query, refuse_pooled, row_normalise,
+                       rollout_step, unique_positions)
 
 
 class MambaRollout(ImplicitAttentionMethod):

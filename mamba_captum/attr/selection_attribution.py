@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from captum.log import log_usage
 
-from ._explain import as_attributions, format_inputs
+from ._inputs import as_attributions, format_inputs
 from ._rollout import RunningProduct, layer_weights, rollout_step
 from .attribution import MambaAttribution
 
@@ -87,9 +87,9 @@ class MambaSelectionAttribution(MambaAttribution):
 
         Returns (B, L) as the inputs."""
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.layout is not None)
-        _, relevance = self._explain(inputs_tensor, target, additional_forward_args, attention_mask, position,
-                                     formulation, start_layer, reduce, components, "product", forward_kwargs,
-                                     spread=spread, sign=sign, normalise=normalise)
+        _, relevance = self._relevance_per_query(inputs_tensor, target, additional_forward_args, attention_mask,
+                                                 position, formulation, start_layer, reduce, components, "product",
+                                                 forward_kwargs, spread=spread, sign=sign, normalise=normalise)
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
 
     def _relevance(self, explained, options):

@@ -1,17 +1,16 @@
 """Family adapters: which modules of an HF model mix tokens, and how to rebuild each one's operator.
 
-An adapter module exposes ``MIXER_CLASSES`` (the HF class names it handles) and
-``rebuild(call, formulation, components) -> operator`` (see :mod:`mamba_captum.operators`); for MambaLRP also
-``lrp(call, work_dtype) -> tensor``, the mixer's output under the LRP rules as a differentiable function of
-``call.hidden_states`` (or ``LRP_UNSUPPORTED``, the reason it has none). The rules of the modules around the mixers
-are in :mod:`.layers`. Optional: ``DEPTH_ATTENTION_CLASSES`` (modules whose attention-interface calls mix layers, not
-tokens) and ``layer_schedule(module, N)`` (a looped model's decoder-layer calls, :func:`layer_schedule`). Adapters
-know nothing of the explanation methods; the methods know nothing of the families.
+One adapter module per family (``mamba_captum.families.mamba`` ...), loaded when a model first needs it
+(:mod:`.registry`: which class is whose, and :class:`~.registry.Adapter`, what an adapter provides, checked on load):
+``MIXER_CLASSES`` (the HF class names it handles), ``rebuild(call, formulation, components, work_dtype)`` (the
+operator, see :mod:`mamba_captum.operators`) and, for MambaLRP, ``lrp(call, work_dtype)`` (the mixer's output under the
+LRP rules as a differentiable function of ``call.hidden_states``) or ``LRP_UNSUPPORTED`` (the reason it has none). The
+rules of the modules around the mixers are in :mod:`.lrp_plan`. Adapters know nothing of the explanation methods; the
+methods know nothing of the families.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib
 from dataclasses import dataclass
 
 import torch
@@ -19,23 +18,24 @@ from torch import nn
 
 from ..checks import check_continuation
 from . import catalogue
-from . import (conv_attention, gated_deltanet, inkling, inkling2, kda, lightning, mamba, mamba2, mlstm, packed_attention,
-               recurrent_gemma, rwkv, short_conv, vim, vision_short_conv, zamba)
-
-ADAPTERS = {name: adapter for adapter in (mamba, mamba2, rwkv, recurrent_gemma, vim, gated_deltanet,
-                                                 kda, lightning, mlstm, short_conv, zamba, conv_attention,
-                                                 vision_short_conv, packed_attention, inkling, inkling2)
-            for name in adapter.MIXER_CLASSES}
-SUPPORTED_MIXERS = tuple(sorted(ADAPTERS))
+from .registry import (DEPTH_ATTENTION, MIXER_FAMILIES, SUPPORTED_MIXERS, Adapter, AdapterContractError, adapter_for,
+                       all_adapters, load_adapter)
 
 # Token mixers of transformers that are recognised and known not to fit any operator: class name -> why (the message
 # names the class and the model type). None at present; a class listed here is refused by name, never skipped.
 REFUSED: dict[str, str] = {}
-# Modules that call transformers' attention interface over earlier layers' outputs at each token (Inkling2's block
-# attention residuals): they mix layers, not tokens, so the capture passes their calls through unrecorded.
-DEPTH_ATTENTION = frozenset(name for adapter in set(ADAPTERS.values())
-                            for name in getattr(adapter, "DEPTH_ATTENTION_CLASSES", ()))
 COMPONENTS = ("s6", "gate", "act", "conv", "norm")
+
+
+def __getattr__(name):
+    # ADAPTERS (class name -> adapter) loads every adapter: built on first use, never by ``import mamba_captum``
+    if name == "ADAPTERS":
+        return all_adapters()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), "ADAPTERS"})
 
 
 @dataclass(eq=False)
@@ -51,15 +51,8 @@ class LocatedMixer:
     layer: int
     name: str
     module: nn.Module
-    adapter: object
+    adapter: Adapter
     follows: str | None = None
-
-    def __reduce__(self):  # the adapter is a Python module: copied and pickled by name
-        return _located, (self.layer, self.name, self.module, self.adapter.__name__, self.follows)
-
-
-def _located(layer, name, module, adapter_name, follows=None):
-    return LocatedMixer(layer, name, module, importlib.import_module(adapter_name), follows)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -97,7 +90,7 @@ def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
     if name in REFUSED or name in catalogue.DECODER_MIXERS:  # known not to fit, whether or not an adapter exists
         return True
-    if name in ADAPTERS:
+    if name in MIXER_FAMILIES:
         return False
     if any(fragment in name for fragment in MIXER_NAME_FRAGMENTS) \
             and not any(fragment in name for fragment in CONTAINER_NAME_FRAGMENTS):
@@ -136,15 +129,15 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                     f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}"
                     f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "
                     f"report it. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
-            adapter = ADAPTERS.get(type(module).__name__)
+            adapter = adapter_for(type(module).__name__)
             if adapter is not None:
                 # where the mixer sits in its decoder layer may decide how it composes with the others (Inkling's
                 # convolutions after the attention and after the MLP); an adapter refuses a place it does not know
-                follows = adapter.follows(index, name, module) if hasattr(adapter, "follows") else None
+                follows = None if adapter.follows is None else adapter.follows(index, name, module)
                 found.append(LocatedMixer(index, f"{index}.{name}" if name else str(index), module, adapter,
                                           None if follows is None else f"{index}.{follows}"))
                 inside += [f"{name}.{part}" if name else part
-                           for part in getattr(adapter, "INNER_MIXERS", {}).get(type(module).__name__, ())]
+                           for part in adapter.INNER_MIXERS.get(type(module).__name__, ())]
     if not found:
         raise TypeError(
             f"mamba_captum: {type(model).__name__} contains none of the supported token mixers "
@@ -158,7 +151,7 @@ def layer_schedule(decoder_layers: nn.ModuleList, mixers: list[LocatedMixer]) ->
     adapter's ``layer_schedule(module, N)`` says. The maps are keyed by the position of the call in this list (HF's
     numbering of ``output_hidden_states``), which is the decoder-layer index for every model without a loop."""
     for located in mixers:
-        schedule = getattr(located.adapter, "layer_schedule", None)
+        schedule = located.adapter.layer_schedule
         found = None if schedule is None else schedule(located.module, len(decoder_layers))
         if found is not None:
             return list(found)
@@ -196,7 +189,7 @@ def check_forward(mixers: list[LocatedMixer], attention_mask, forward_kwargs: di
     check_continuation(forward_kwargs)
     if attention_mask is None:
         return
-    ignoring = sorted({type(m.module).__name__ for m in mixers if getattr(m.adapter, "IGNORES_ATTENTION_MASK", False)})
+    ignoring = sorted({type(m.module).__name__ for m in mixers if m.adapter.IGNORES_ATTENTION_MASK})
     if not ignoring:
         return
     mask = torch.as_tensor(attention_mask) != 0
@@ -212,8 +205,12 @@ def check_forward(mixers: list[LocatedMixer], attention_mask, forward_kwargs: di
 @contextlib.contextmanager
 def preserved_state(model: nn.Module):
     """Undo what a forward pass of the model changes on its own modules, on every exit path: RWKV's in-place
-    rescaling of weights on its first eval (or train) forward, and RecurrentGemma's cached recurrent states."""
+    rescaling of weights on its first eval (or train) forward, and RecurrentGemma's cached recurrent states: each
+    adapter's ``preserved_state``, for the families whose mixers the model contains (only those adapters load)."""
+    families = sorted({MIXER_FAMILIES[type(m).__name__] for m in model.modules() if type(m).__name__ in MIXER_FAMILIES})
     with contextlib.ExitStack() as stack:
-        stack.enter_context(rwkv.preserved_rescaling(model))
-        stack.enter_context(recurrent_gemma.preserved_states(model))
+        for family in families:
+            adapter = load_adapter(family)
+            if adapter.preserved_state is not None:
+                stack.enter_context(adapter.preserved_state(model))
         yield

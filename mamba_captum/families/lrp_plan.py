@@ -14,7 +14,7 @@
 
 A rule is ``rule(module, args, kwargs, output, work_dtype) -> tensor``: the module's (main) output under the rule,
 a differentiable function of its inputs ``args`` / ``kwargs`` (which carry the graph), with the real output's
-value (checked by the engine, :mod:`mamba_captum.lrp`).
+value (checked by the engine, :mod:`mamba_captum.lrp_forward`).
 """
 from __future__ import annotations
 
@@ -341,11 +341,11 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
     by_module = {id(m.module): m for m in mixers}
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     for located in mixers:  # a token mixer without rules is the most telling refusal: name its family's reason
-        if not hasattr(located.adapter, "lrp"):
+        if located.adapter.lrp is None:
             raise NotImplementedError(
                 f"mamba_captum: MambaLRP has no rules for the token mixer {type(located.module).__name__} "
                 f"({located.name}{f', model type {model_type!r}' if model_type else ''}) yet: "
-                f"{getattr(located.adapter, 'LRP_UNSUPPORTED', 'its family is not covered')}.")
+                f"{located.adapter.LRP_UNSUPPORTED}.")
     planned: list[PlannedRule] = []
     seen: set[int] = set()  # a module shared by several layers (Zamba2's shared block) is planned once
 

@@ -140,3 +140,6 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
         segments = segments_from_positions(position_ids.to(hidden.device), batch, length)
     scan = reset_decay_scan(conv_out, -log_a, col_weight=multiplier * input_gate, segments=segments)
     return linear_readout(block.linear_out)(half_product(scan, y_branch))
+
+
+preserved_state = preserved_states  # the adapter contract's name (mamba_captum.families.registry.Adapter)

@@ -171,3 +171,6 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     # decay and bonus detached like the keys: the WKV weights are this layer's selection, the WKV linear in value
     wkv = wkv_scan_chunked(mixer.time_decay.detach().double(), mixer.time_first.detach().double(), k, value)[0]
     return linear_readout(mixer.output)(sigmoid_gate(receptance, wkv))
+
+
+preserved_state = preserved_rescaling  # the adapter contract's name (mamba_captum.families.registry.Adapter)

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from .vim import VisionMamba
+from .modeling_vim import VisionMamba
 
 # The official registered names (timm) of the released models and their sizes; all bimamba v2, middle CLS token,
 # RMSNorm, absolute position embeddings, if_divide_out.

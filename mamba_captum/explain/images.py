@@ -1,7 +1,7 @@
 """Images in, explanations out: the CLI's and the report's view of a Vim classifier (``mamba-captum explain
 --model vim.pth --image cat.jpg``). It sits above the attribution classes, outside the model zoo
-(:mod:`mamba_captum.vision`, which depends on the kernels and the token layout only); ``mamba_captum.vision.explain``
-re-exports it under its former name.
+(:mod:`mamba_captum.vision`, which depends on the kernels and the token layout only), and is the one module of
+:mod:`mamba_captum.explain` that imports the zoo; ``mamba_captum.vision.explain``, the path users import, re-exports it.
 
 :func:`load_vim_file` reads a checkpoint file with clear errors; :func:`explain_images` explains each image with
 the three methods and returns :class:`ImageExplanation` records (pixel maps per method, the prediction, the
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from .attr import MambaAttribution, MambaRawAttention, MambaRollout
-from .explain import DTYPES, UsageError, check_device
-from .vision.checkpoints import load_vim
-from .vision.images import preprocess, to_display
+from ..attr import MambaAttribution, MambaRawAttention, MambaRollout
+from ..vision.checkpoints import load_vim
+from ..vision.images import preprocess, to_display
+from .loading import DTYPES, UsageError, check_device
 
 METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution}
 

@@ -1,4 +1,5 @@
-"""Models dispatched by accelerate (``from_pretrained(..., device_map=...)``, ``dispatch_model``).
+"""Offloaded weights of models dispatched by accelerate (``from_pretrained(..., device_map=...)``,
+``dispatch_model``).
 
 Such a model keeps its layers on several devices, and with CPU or disk offloading keeps an offloaded layer's
 weights on the meta device except inside that layer's own forward (accelerate's ``AlignDevicesHook`` loads them in

@@ -1,5 +1,6 @@
-"""What every method shares: inputs in Captum's forms, the explained scores and query rows, one captured forward
-pass, the gradients a method asks for, and the per-layer operators in execution order.
+"""One captured forward pass of the explained model (the :class:`Runner`): the method's arguments bound to the
+model's forward, the explained scores and query rows picked, the gradients a method asks for taken; and what the
+methods read from it (:class:`Explained`: the per-layer operators in execution order, as :class:`LayerRecord` s).
 
 Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one per explained output; Q = 1 for
 ``attribute``, one per generated token for ``attribute_generation``).
@@ -7,65 +8,20 @@ Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one
 from __future__ import annotations
 
 import inspect
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import families
-from ..attention import FORMULATIONS, SharedAttentionKey, check_recorded, rebuilt_operators
 from ..capture import LayerCapture
-from ..checks import (check_finite, check_forward_devices, check_inputs, check_keywords, check_mask, index_list,
-                      is_int, single_index, underlying_forward)
-from ..fast_scans import fast_scans
-from ..operators import REDUCTIONS
+from ..checks import check_finite, check_forward_devices, check_inputs, check_keywords, underlying_forward
+from ..keys import SharedAttentionKey
 from ..layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
                       vision_layout)
-
-
-@dataclass
-class Query:
-    """One explained output: the query row per example and, for class-specific methods, the target per example.
-
-    A pooled head (an image model that reads the mean over its tokens) has no single query row: ``weights`` (B, L)
-    says how it reads the rows, and every row-based result is the ``weights``-combination of the rows (rollout and
-    raw attention are linear in the query's one-hot vector)."""
-
-    positions: torch.Tensor  # (B,) long, the query token of each example (unused when ``weights`` is set)
-    targets: torch.Tensor | None = None  # (B,) long, the explained class / next token of each example
-    weights: torch.Tensor | None = None  # (B, L) a pooled query: Σ_q weights[b, q] · row q
-    causal: bool = True  # False for non-causal models (Vim): every token is in the query's context
-
-    @property
-    def pooled(self) -> bool:
-        return self.weights is not None
-
-    def context(self, mask: torch.Tensor) -> torch.Tensor:
-        """(B, L): 1 on the real tokens the query can see (j ≤ q for causal models; all real tokens for non-causal
-        ones and pooled queries). Min-max normalisations run over these only, so a query in the middle of a causal
-        sequence gets the result it gets as the last token."""
-        if not self.causal or self.pooled:
-            return mask
-        index = torch.arange(mask.shape[1], device=mask.device)
-        return mask * (index[None, :] <= self.positions[:, None].to(mask.device)).to(mask.dtype)
-
-    def row_of(self, product, length: int) -> torch.Tensor:
-        """The query's row (B, L) of a :class:`RunningProduct` ρ: ``ρ[b, q_b]``, or ``weights[b] @ ρ[b]``."""
-        if self.weights is None:
-            return product.rows(self.positions, length)
-        return product.weighted_rows(self.weights)
-
-    def gather(self, rows_by_position: dict) -> torch.Tensor:
-        """Per example, the query's row from ``rows_by_position[p]`` (B, ...) (for a pooled query, the
-        ``weights``-combination of all of them) -> (B, ...)."""
-        if self.weights is None:
-            return gather_rows(rows_by_position, self.positions)
-        total = 0
-        for position, rows in rows_by_position.items():
-            weight = self.weights[:, position].to(rows.dtype)
-            total = total + weight.reshape(-1, *([1] * (rows.dim() - 1))) * rows
-        return total
+from ..rebuild import captured_forward, kept_components, rebuilt_operators
+from ._gradient import score_gradients
+from ._inputs import format_mask, format_positions, format_targets
+from ._rollout import Query
 
 
 @dataclass
@@ -132,112 +88,6 @@ class Explained:
         return [sum(per_call[q] for per_call in effects) for q in range(len(effects[0]))]
 
 
-# -- argument handling ---------------------------------------------------------------------------------------------
-def format_inputs(inputs, image_model: bool = False):
-    """Captum's input forms -> (tensor, was_tuple). Token ids (B, L) or embeddings (B, L, D) (``inputs_embeds``);
-    pixels (B, C, H, W) for an image model, packed patches (N, P) for a vision tower (checked against the model by
-    the runner)."""
-    was_tuple = isinstance(inputs, tuple)
-    if was_tuple:
-        if len(inputs) != 1:
-            raise ValueError(
-                f"mamba_captum: inputs is a tuple of {len(inputs)} tensors; the token input is the only one explained. "
-                "Pass (input_ids,) or (inputs_embeds,) and the rest as attention_mask= or additional_forward_args.")
-        inputs = inputs[0]
-    if not torch.is_tensor(inputs):
-        raise TypeError(f"mamba_captum: inputs must be a tensor (or a 1-tuple of one), got {type(inputs).__name__}.")
-    if image_model:
-        return inputs, was_tuple
-    if inputs.is_floating_point():
-        if inputs.dim() != 3:
-            raise ValueError(f"mamba_captum: float inputs are embeddings (B, L, D); got shape {tuple(inputs.shape)}.")
-    elif inputs.dim() != 2:
-        raise ValueError(f"mamba_captum: token ids must be (B, L); got shape {tuple(inputs.shape)}. "
-                         "Add a batch dimension with input_ids[None].")
-    if inputs.shape[1] == 0:
-        raise ValueError("mamba_captum: inputs has no tokens (L = 0).")
-    return inputs, was_tuple
-
-
-def format_mask(attention_mask, inputs) -> torch.Tensor:
-    """The checked mask (:func:`mamba_captum.checks.check_mask`) as float32 (B, L); all ones when None."""
-    batch, length = inputs.shape[:2]
-    if attention_mask is None:
-        return torch.ones(batch, length, device=inputs.device)
-    check_mask(attention_mask, batch, length, inputs.device)
-    return attention_mask.to(torch.float32)
-
-
-def last_real_token(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of the last token with mask 1 (left or right padding)."""
-    index = torch.arange(mask.shape[1], device=mask.device)
-    return (index * (mask > 0)).argmax(-1)
-
-
-def format_positions(position, mask: torch.Tensor) -> torch.Tensor:
-    """``position=`` (None: last real token; int, or one per example; negative counts from the end) -> (B,)."""
-    batch, length = mask.shape
-    if position is None:
-        return last_real_token(mask)
-    positions = torch.tensor(index_list(position, "position"), dtype=torch.long, device=mask.device)
-    if positions.numel() == 1:
-        positions = positions.expand(batch)
-    if positions.numel() != batch:
-        raise ValueError(f"mamba_captum: position= has {positions.numel()} entries for a batch of {batch}.")
-    if bool(((positions < -length) | (positions >= length)).any()):
-        raise IndexError(f"mamba_captum: position={positions.tolist()} out of range for {length} tokens.")
-    positions = positions % length
-    if not bool(mask[torch.arange(batch, device=mask.device), positions].all()):
-        raise ValueError(f"mamba_captum: position={positions.tolist()} points at a padding token.")
-    return positions.clone()
-
-
-def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
-    """Captum's target forms for (B, K) scores -> (B,) class indices; None -> the argmax of each example.
-
-    int or 0-d tensor: the same class for all; a 1-tuple (c,): the same; a list of ints / 1-tuples or a 1-D tensor
-    of length B: one per example.
-    """
-    batch, classes = scores.shape
-    if target is None:
-        return scores.argmax(-1)
-    if isinstance(target, tuple):
-        if len(target) != 1:
-            raise IndexError(f"mamba_captum: target={target} indexes {len(target)} output dimensions; "
-                             f"the explained scores are (B, K) = {tuple(scores.shape)}: give one class index.")
-        target = target[0]
-    if isinstance(target, list):
-        target = [t[0] if isinstance(t, tuple) and len(t) == 1 else t for t in target]
-        if not all(is_int(t) or (torch.is_tensor(t) and t.numel() == 1) for t in target):
-            raise TypeError(f"mamba_captum: target list must hold one int per example, got {target}.")
-    try:
-        targets = torch.as_tensor(target, device=scores.device)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"mamba_captum: target={target!r} is not an int, a tuple, a list or a tensor.") from error
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"mamba_captum: target must hold integer class indices, got dtype {targets.dtype}.")
-    targets = targets.reshape(-1).long()
-    if targets.numel() == 1:
-        targets = targets.expand(batch)
-    elif targets.numel() != batch:
-        raise ValueError(f"mamba_captum: {targets.numel()} targets for a batch of {batch} examples; give one "
-                         "target for all or one per example.")
-    if bool(((targets < -classes) | (targets >= classes)).any()):
-        raise IndexError(f"mamba_captum: target {targets.tolist()} out of range: the explained output has "
-                         f"{classes} classes (indices 0..{classes - 1}).")
-    return (targets % classes).clone()
-
-
-def start_layer_index(start_layer, count: int) -> int:
-    if start_layer is None:
-        return 0
-    start = single_index(start_layer, "start_layer")
-    if not -count <= start < count:
-        raise IndexError(f"mamba_captum: start_layer={start_layer} out of range for {count} decoder layers.")
-    return start % count
-
-
-# -- the captured forward pass -------------------------------------------------------------------------------------
 LOGITS_TRIMMING = ("logits_to_keep", "num_logits_to_keep")
 
 
@@ -257,7 +107,7 @@ class Runner:
         self.schedule = families.layer_schedule(self.decoder_layers, self.mixers)
         self.layout = vision_layout(self.model)  # an image model's tokens (None for token models)
         self.packed = packed_tower(self.model)  # a vision tower over packed patches (N, P) and grid_thw
-        self.causal = not any(getattr(m.adapter, "NONCAUSAL", False) for m in self.mixers)
+        self.causal = not any(m.adapter.NONCAUSAL for m in self.mixers)
 
     def close(self):
         """Remove the hooks of any capture still registered (the context-manager guarantee)."""
@@ -396,9 +246,7 @@ class Runner:
         ``position`` and ``target``. ``options`` / ``where``: the calling method's own keyword names and name, for
         the message when a keyword is neither the method's nor the model's.
         """
-        if formulation not in FORMULATIONS:
-            raise ValueError(f"mamba_captum: formulation={formulation!r}; choose 'unified' or 'hidden'.")
-        kept = families.parse_components(components, formulation)
+        kept = kept_components(formulation, components)
         need_grad = residual_grads or operator_grads or input_effects
         if need_grad and torch.is_inference_mode_enabled():
             raise RuntimeError("mamba_captum: this method takes gradients, which torch.inference_mode() forbids; "
@@ -427,19 +275,17 @@ class Runner:
         capture = LayerCapture(self.decoder_layers, self.mixers, layers, detach=not need_grad,
                                record_residual=residual_grads, schedule=self.schedule,
                                embeddings=embeddings if isinstance(embeddings, torch.nn.Module) else None)
-        families.check_forward(self.mixers, attention_mask, kwargs)
         # float inputs (embeddings, pixels) start the graph themselves: whatever the model derives from them
         # (Zamba2's copy of the embeddings for its shared blocks) is then differentiable even when frozen
         call_inputs = inputs.detach().requires_grad_(True) if need_grad and inputs.is_floating_point() and \
             not inputs.requires_grad else inputs
         self._active.add(capture)
         try:
-            with torch.set_grad_enabled(need_grad), fast_scans(self.model), capture:
-                output = self._call(call_inputs, args, kwargs, attention_mask)
+            with torch.set_grad_enabled(need_grad):
+                trace, output = captured_forward(self.model, capture, self.mixers, layers, attention_mask, kwargs,
+                                                 lambda: self._call(call_inputs, args, kwargs, attention_mask))
         finally:
             self._active.discard(capture)
-        trace = capture.trace
-        check_recorded(trace, self.mixers, layers)
         self._check_tokens_seen(trace, inputs, mask)
         explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [])
         grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
@@ -470,7 +316,7 @@ class Runner:
             explained.queries = [Query(pos, tgt, weights, self.causal) for pos, _, tgt in queries]
             explained.scores = [None if s is None else s.detach() for _, s, _ in queries]
             if need_grad:
-                self._gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects)
+                score_gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects)
         finally:
             grad_mode.__exit__(None, None, None)
             trace.detach()
@@ -541,146 +387,3 @@ class Runner:
         mask = torch.ones(batch, self.layout.length, device=inputs.device)
         index = 0 if self.layout.pooled else self.layout.cls_index
         return mask, torch.full((batch,), index, dtype=torch.long, device=inputs.device)
-
-    @staticmethod
-    def _gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects=False):
-        tensors = []
-        if residual_grads:
-            missing = [i for i in layers if i not in trace.residuals]
-            if missing:
-                raise RuntimeError(f"mamba_captum: decoder layers {missing} did not run in the forward pass.")
-            tensors += [trace.residuals[i] for i in layers]
-        calls = (trace.mixer_calls + trace.attention_calls) if operator_grads else []
-        tensors += [call.output for call in calls]
-        # gradient × input at each layer's inputs: the mixer input, or an attention call's queries and keys
-        inputs = []
-        if input_effects:
-            inputs = [(call, (call.hidden_states,)) for call in trace.mixer_calls] + \
-                     [(call, (call.query, call.key)) for call in trace.attention_calls]
-            inputs = [(call, pieces) for call, pieces in inputs if all(p.requires_grad for p in pieces)]
-            for call, _ in inputs:
-                call.input_effects = []
-        effect_tensors = [piece for _, pieces in inputs for piece in pieces]
-        if any(not t.requires_grad for t in tensors):
-            raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
-                               "layers (a forward_func that runs the model under torch.no_grad or inference_mode?).")
-        for call in calls:
-            call.output_grads = []
-        loss_scale = {}  # float16 graphs: the scale found for the first score serves the next ones
-        for number, (_, scores, targets) in enumerate(queries):
-            picked = scores.gather(1, targets[:, None].to(scores.device)).sum()
-            if not picked.requires_grad:
-                raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
-                                   "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
-                                   "return the scores as computed from the model's output.")
-            everything = scaled_grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1,
-                                     memo=loss_scale)
-            grads, effect_grads = everything[:len(tensors)], list(everything[len(tensors):])
-            for call, pieces in inputs:
-                effect = 0
-                for piece in pieces:
-                    grad = effect_grads.pop(0)
-                    if grad is not None:
-                        product = (grad * piece).detach()
-                        # (B, L, D) mixer input, or (B, H, L, d) queries / keys: summed to (B, L)
-                        effect = effect + (product.sum(-1) if product.dim() == 3 else product.sum((1, 3)))
-                call.input_effects.append(effect if torch.is_tensor(effect) else None)
-            if any(g is None for g in grads):
-                # Every recorded layer lies between the inputs and the scores: a tensor the gradient cannot reach
-                # was computed outside autograd's view (compiled code, a CUDA graph, a detach in forward_func).
-                raise RuntimeError(
-                    "mamba_captum: the explained scores do not depend, for autograd, on the recorded layers: the "
-                    "forward pass ran them where autograd cannot follow (code compiled with torch.compile inside "
-                    "forward_func, a CUDA graph, or a .detach()). Pass the model itself (compiled models are run "
-                    "eagerly by the library) or a forward_func that keeps the graph.")
-            for grad in grads:
-                check_finite(grad, "the gradients of the explained scores", explained.model)
-            if residual_grads:
-                for i, grad in zip(layers, grads[:len(layers)]):
-                    grad = grad[None] if grad.dim() == 2 else grad  # a packed (N, D) stream is one sequence
-                    explained.residual_grads.setdefault(i, []).append(grad.detach())
-                grads = grads[len(layers):]
-            for call, grad in zip(calls, grads):
-                call.output_grads.append(grad.detach())
-
-
-# float16 has 5 exponent bits: a gradient below 6e-8 flushes to zero in the model's own backward. The gradients of
-# one score span ~1e10 across tokens (measured: 3e-12 .. 0.15 on a tiny Bamba), and the gradient methods normalise
-# each row, so tiny rows carry full weight: unscaled they silently became identity rows (relevance 10 % off the
-# float32 copy of the model). So the score is loss-scaled: an unscaled backward first measures the largest gradient,
-# the scale is the power of two that takes it to FLOAT16_GRAD_TARGET (headroom for larger gradients inside the
-# graph), at most 2^15 (float16's largest power of two), halved while the backward still overflows; later scores of
-# the same call start from the scale found. The gradients are unscaled exactly (powers of two), in float32 or wider.
-# bfloat16 has float32's exponent range and is not scaled.
-FLOAT16_GRAD_SCALE = 2.0 ** 15  # the largest scale
-FLOAT16_GRAD_TARGET = 2.0 ** 10  # the largest gradient after scaling: 64× below float16's largest number
-
-
-def _all_finite(grads) -> bool:
-    return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
-
-
-def scaled_grad(score: torch.Tensor, tensors: list, retain_graph: bool, memo: dict | None = None) -> tuple:
-    """``torch.autograd.grad(score, tensors)`` (None for unused tensors), with a loss scale where any is float16.
-
-    ``memo``: a dict kept across the scores of one call; it remembers the scale found (one backward per later score).
-    """
-    if not any(t.dtype == torch.float16 for t in tensors):
-        return torch.autograd.grad(score, tensors, retain_graph=retain_graph, allow_unused=True)
-    memo = {} if memo is None else memo
-    scale = memo.get("scale")
-    if scale is None:
-        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)
-        largest = max((float(g.abs().max()) for g in grads if g is not None and g.numel()), default=0.0)
-        if not _all_finite(grads) or largest >= FLOAT16_GRAD_TARGET:
-            memo["scale"] = 1.0  # non-finite unscaled (the caller's check names it), or too large to scale up
-            return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads)
-        scale = FLOAT16_GRAD_SCALE if largest == 0 else min(
-            FLOAT16_GRAD_SCALE, 2.0 ** math.floor(math.log2(FLOAT16_GRAD_TARGET / largest)))
-    while True:
-        grads = torch.autograd.grad(score * scale, tensors, retain_graph=retain_graph or scale > 1, allow_unused=True)
-        if scale == 1 or _all_finite(grads):
-            break
-        scale /= 2
-    memo["scale"] = scale
-    return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) / scale for g in grads)
-
-
-def check_reduce(reduce):
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"mamba_captum: reduce={reduce!r}; choose one of {REDUCTIONS}.")
-
-
-def as_attributions(relevance: torch.Tensor, inputs: torch.Tensor, was_tuple: bool, layout=None, packed=False):
-    """(B, L) relevance in the shape of the inputs: (B, L) for ids, broadcast over D for (B, L, D) embeddings;
-    for an image model (``layout``), pixel relevance (B, 1, H, W) as Captum's upsampled layer attributions; for
-    packed patches (N, P) (``packed``), each patch's relevance repeated over its P values."""
-    if packed:
-        out = relevance[0, :, None].expand(*inputs.shape).to(inputs.dtype).contiguous()
-        return (out,) if was_tuple else out
-    if layout is not None:
-        relevance = layout.to_pixels(relevance.to(inputs.dtype if inputs.is_floating_point() else torch.float32))
-        return (relevance,) if was_tuple else relevance
-    if inputs.is_floating_point():  # a real tensor, not a stride-0 view (captum.metrics reshapes it)
-        relevance = relevance[..., None].expand(*inputs.shape).to(inputs.dtype).contiguous()
-    return (relevance,) if was_tuple else relevance
-
-
-def gather_rows(rows_by_position: dict, positions: torch.Tensor) -> torch.Tensor:
-    """Per example b, the row computed for query positions[b]: rows_by_position[p] is (B, ...) -> (B, ...)."""
-    return torch.stack([rows_by_position[int(p)][b] for b, p in enumerate(positions.tolist())])
-
-
-def unique_positions(queries: Sequence[Query], length: int | None = None) -> list[int]:
-    """The query rows to compute: the queries' positions, or every row when a query is pooled."""
-    if any(q.pooled for q in queries):
-        return list(range(length))
-    return sorted({int(p) for q in queries for p in q.positions.tolist()})
-
-
-def refuse_pooled(queries: Sequence[Query], recipe: str = "official"):
-    """The official recipes read one query row (the CLS token's); a pooled head has none."""
-    if any(q.pooled for q in queries):
-        raise ValueError(f"mamba_captum: recipe={recipe!r} reads the CLS token's row, and this model has no CLS "
-                         "token (its head reads the mean over the tokens); use recipe='product', which explains "
-                         "the mean of the rows.")

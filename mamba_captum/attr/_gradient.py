@@ -1,0 +1,125 @@
+"""The gradients a method asks for: of each explained score, at the recorded layers' outputs, residual streams and
+inputs, loss-scaled where the graph is float16.
+
+Shapes: B batch, L tokens, D model width, K classes / vocabulary.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..checks import check_finite
+
+
+def score_gradients(explained, trace, queries, layers, residual_grads, operator_grads, input_effects=False):
+    """The gradients of each query's target score that a method asks for, stored where the methods read them:
+    ``residual_grads``, (B, L, D) at the residual stream entering each of ``layers``
+    (``explained.residual_grads``); ``operator_grads``, at each recorded call's output (``call.output_grads``);
+    ``input_effects``, (B, L) Σ_features gradient × input at each call's inputs (``call.input_effects``).
+    ``queries``: per query, (positions (B,), scores (B, K), targets (B,)). float16 graphs are loss-scaled
+    (:func:`scaled_grad`).
+
+    Raises:
+        RuntimeError: the forward pass built no autograd graph through the recorded layers or the scores.
+    """
+    tensors = []
+    if residual_grads:
+        missing = [i for i in layers if i not in trace.residuals]
+        if missing:
+            raise RuntimeError(f"mamba_captum: decoder layers {missing} did not run in the forward pass.")
+        tensors += [trace.residuals[i] for i in layers]
+    calls = (trace.mixer_calls + trace.attention_calls) if operator_grads else []
+    tensors += [call.output for call in calls]
+    # gradient × input at each layer's inputs: the mixer input, or an attention call's queries and keys
+    inputs = []
+    if input_effects:
+        inputs = [(call, (call.hidden_states,)) for call in trace.mixer_calls] + \
+                 [(call, (call.query, call.key)) for call in trace.attention_calls]
+        inputs = [(call, pieces) for call, pieces in inputs if all(p.requires_grad for p in pieces)]
+        for call, _ in inputs:
+            call.input_effects = []
+    effect_tensors = [piece for _, pieces in inputs for piece in pieces]
+    if any(not t.requires_grad for t in tensors):
+        raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
+                           "layers (a forward_func that runs the model under torch.no_grad or inference_mode?).")
+    for call in calls:
+        call.output_grads = []
+    loss_scale = {}  # float16 graphs: the scale found for the first score serves the next ones
+    for number, (_, scores, targets) in enumerate(queries):
+        picked = scores.gather(1, targets[:, None].to(scores.device)).sum()
+        if not picked.requires_grad:
+            raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
+                               "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
+                               "return the scores as computed from the model's output.")
+        everything = scaled_grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1,
+                                 memo=loss_scale)
+        grads, effect_grads = everything[:len(tensors)], list(everything[len(tensors):])
+        for call, pieces in inputs:
+            effect = 0
+            for piece in pieces:
+                grad = effect_grads.pop(0)
+                if grad is not None:
+                    product = (grad * piece).detach()
+                    # (B, L, D) mixer input, or (B, H, L, d) queries / keys: summed to (B, L)
+                    effect = effect + (product.sum(-1) if product.dim() == 3 else product.sum((1, 3)))
+            call.input_effects.append(effect if torch.is_tensor(effect) else None)
+        if any(g is None for g in grads):
+            # Every recorded layer lies between the inputs and the scores: a tensor the gradient cannot reach
+            # was computed outside autograd's view (compiled code, a CUDA graph, a detach in forward_func).
+            raise RuntimeError(
+                "mamba_captum: the explained scores do not depend, for autograd, on the recorded layers: the "
+                "forward pass ran them where autograd cannot follow (code compiled with torch.compile inside "
+                "forward_func, a CUDA graph, or a .detach()). Pass the model itself (compiled models are run "
+                "eagerly by the library) or a forward_func that keeps the graph.")
+        for grad in grads:
+            check_finite(grad, "the gradients of the explained scores", explained.model)
+        if residual_grads:
+            for i, grad in zip(layers, grads[:len(layers)]):
+                grad = grad[None] if grad.dim() == 2 else grad  # a packed (N, D) stream is one sequence
+                explained.residual_grads.setdefault(i, []).append(grad.detach())
+            grads = grads[len(layers):]
+        for call, grad in zip(calls, grads):
+            call.output_grads.append(grad.detach())
+
+
+# float16 has 5 exponent bits: a gradient below 6e-8 flushes to zero in the model's own backward. The gradients of
+# one score span ~1e10 across tokens (measured: 3e-12 .. 0.15 on a tiny Bamba), and the gradient methods normalise
+# each row, so tiny rows carry full weight: unscaled they silently became identity rows (relevance 10 % off the
+# float32 copy of the model). So the score is loss-scaled: an unscaled backward first measures the largest gradient,
+# the scale is the power of two that takes it to FLOAT16_GRAD_TARGET (headroom for larger gradients inside the
+# graph), at most 2^15 (float16's largest power of two), halved while the backward still overflows; later scores of
+# the same call start from the scale found. The gradients are unscaled exactly (powers of two), in float32 or wider.
+# bfloat16 has float32's exponent range and is not scaled.
+FLOAT16_GRAD_SCALE = 2.0 ** 15  # the largest scale
+FLOAT16_GRAD_TARGET = 2.0 ** 10  # the largest gradient after scaling: 64× below float16's largest number
+
+
+def _all_finite(grads) -> bool:
+    return all(g is None or bool(torch.isfinite(g).all()) for g in grads)
+
+
+def scaled_grad(score: torch.Tensor, tensors: list, retain_graph: bool, memo: dict | None = None) -> tuple:
+    """``torch.autograd.grad(score, tensors)`` (None for unused tensors), with a loss scale where any is float16.
+
+    ``memo``: a dict kept across the scores of one call; it remembers the scale found (one backward per later score).
+    """
+    if not any(t.dtype == torch.float16 for t in tensors):
+        return torch.autograd.grad(score, tensors, retain_graph=retain_graph, allow_unused=True)
+    memo = {} if memo is None else memo
+    scale = memo.get("scale")
+    if scale is None:
+        grads = torch.autograd.grad(score, tensors, retain_graph=True, allow_unused=True)
+        largest = max((float(g.abs().max()) for g in grads if g is not None and g.numel()), default=0.0)
+        if not _all_finite(grads) or largest >= FLOAT16_GRAD_TARGET:
+            memo["scale"] = 1.0  # non-finite unscaled (the caller's check names it), or too large to scale up
+            return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads)
+        scale = FLOAT16_GRAD_SCALE if largest == 0 else min(
+            FLOAT16_GRAD_SCALE, 2.0 ** math.floor(math.log2(FLOAT16_GRAD_TARGET / largest)))
+    while True:
+        grads = torch.autograd.grad(score * scale, tensors, retain_graph=retain_graph or scale > 1, allow_unused=True)
+        if scale == 1 or _all_finite(grads):
+            break
+        scale /= 2
+    memo["scale"] = scale
+    return tuple(None if g is None else g.to(torch.promote_types(g.dtype, torch.float32)) / scale for g in grads)

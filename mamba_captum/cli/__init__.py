@@ -1,0 +1,74 @@
+"""The ``mamba-captum`` command.
+
+  mamba-captum demo       explain the bundled demo model's test sentences; prints top tokens, writes an HTML report
+  mamba-captum explain    explain texts (or a JSONL dataset) with any local HF checkpoint directory
+  mamba-captum matrices   save each layer's implicit-attention map of a text as PNG
+  mamba-captum evaluate   the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)
+
+Problems with what was asked (a missing directory, a damaged checkpoint, an unsupported model, an unusable device,
+an empty or too-long text, an unknown target; docs/cli.md lists them) are one line on stderr and exit code 2, with no
+traceback; Ctrl-C is one line and exit code 130.
+
+``main`` is here; the parser is in ``arguments``, the commands in ``texts`` and ``images``, the files they read and
+write in ``files``, the loading of the checkpoint in ``loading``.
+"""
+from __future__ import annotations
+
+import sys
+
+from ..attention import ReconstructionError
+from ..checks import NonFiniteError
+from ..explain import UsageError
+from .arguments import COMMANDS, MAX_MAP_PIXELS, build_parser
+# each command under its former name here: _run looks them up at each call (tests replace one)
+from .texts import demo_command as _demo, explain_command as _explain, matrices_command as _matrices
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "evaluate":  # its own parser (mamba_captum.evaluation.report)
+        from ..evaluation.report import main as evaluate
+
+        try:
+            evaluate(argv[1:])
+        except SystemExit as leaving:  # its argparse errors and refusals: a code, as for the other commands
+            return int(leaving.code or 0)
+        return 0
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as leaving:  # --help (0) and argparse's errors (2): a code, as for the other paths
+        return int(leaving.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    import transformers
+
+    # main() may be called from a user's program: transformers' logging settings are put back on the way out
+    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
+    transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
+    try:
+        return _run(args)
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.logging.enable_progress_bar()
+
+
+def _run(args) -> int:
+    try:
+        {"demo": _demo, "explain": _explain, "matrices": _matrices}[args.command](args)
+    except UsageError as error:
+        print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except (NonFiniteError, ReconstructionError) as error:  # the checkpoint's numbers, or a variant not supported
+        print(f"mamba-captum {args.command}: error: {str(error).removeprefix('mamba_captum: ')}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a file that vanished or filled the disk mid-run: still one line
+        print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: the JSONL keeps the rows written so far
+        print(f"mamba-captum {args.command}: interrupted.", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,85 @@
+"""The command line's arguments: one parser, a subcommand each (``mamba-captum demo | explain | matrices``; ``evaluate``
+parses its own, mamba_captum.evaluation.report)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..explain import DTYPES, METHODS
+
+# The largest side of a `matrices` PNG: 4096² RGB pixels are 48 MiB in memory and seconds to encode; a bigger map
+# shows no more (one entry per token) and would need gigabytes (a 5-token text at --scale 100000 asks for 750 GB).
+MAX_MAP_PIXELS = 4096
+
+COMMANDS = {"demo": "explain the bundled demo model's test sentences and write an HTML report",
+            "explain": "explain texts or a JSONL dataset with a local HF checkpoint directory",
+            "matrices": "save each layer's implicit-attention map of a text as a PNG",
+            "evaluate": "the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own errors: one line, exit 2 (argparse prints usage first)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _common(parser, model_required=True):
+    if model_required:
+        parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained); "
+                            "with --image, a Vision Mamba checkpoint file (.pth)")
+    parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
+    parser.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default cpu; under "
+                        "accelerate launch with cuda, each process its own GPU)")
+    parser.add_argument("--device-map", default=None, metavar="MAP",
+                        help="load the model dispatched by accelerate: auto, balanced, sequential, or a JSON object "
+                        'module name -> device / "cpu" / "disk" (docs/scale.md)')
+    parser.add_argument("--max-memory", default=None, metavar="SIZES",
+                        help="with --device-map auto: the most each device holds, e.g. 0=20GiB,cpu=60GiB (the rest "
+                        "is offloaded to disk)")
+    parser.add_argument("--offload-folder", type=Path, default=None,
+                        help="where disk-offloaded weights go (default: a temporary folder, removed at exit)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights' dtype (default float32)")
+
+
+def _method_args(parser):
+    parser.add_argument("--method", action="append", choices=list(METHODS),
+                        help="raw, rollout, attribution, selection or lrp; repeat for several (default: every one the "
+                        "model supports; raw, rollout and attribution for an image)")
+    parser.add_argument("--target", default=None,
+                        help="what to explain: a label word / token, or an id (default: the prediction)")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="a causal LM's candidate answer tokens (default: config.label_words if set); with "
+                        "--image, the class names in class order")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mamba-captum", description="Implicit-attention explanations of Mamba-family models.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, text in COMMANDS.items():
+        sub = commands.add_parser(name, help=text, description=text, add_help=name != "evaluate")
+        if name == "demo":
+            sub.add_argument("--out", type=Path, default=Path("mamba-captum-demo.html"), help="the HTML report")
+            _common(sub, model_required=False)
+        elif name == "explain":
+            _common(sub)
+            _method_args(sub)
+            source = sub.add_mutually_exclusive_group(required=True)
+            source.add_argument("--text", action="append", help="a text to explain (repeatable)")
+            source.add_argument("--dataset", type=Path, help='a JSONL file, one {"text": ..., "target": ...} a line')
+            source.add_argument("--image", action="append", type=Path,
+                                help="an image file (PNG, JPEG, ...) to explain with a Vim checkpoint (repeatable)")
+            sub.add_argument("--img-size", type=int, default=None,
+                             help="with --image: the Vim's training image size, if not 224")
+            sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
+            sub.add_argument("--jsonl", type=Path, default=None,
+                             help="the results as JSONL (default with --dataset: DATASET.explained.jsonl); with "
+                             "--dataset, a rerun skips the lines already there")
+            sub.add_argument("--restart", action="store_true",
+                             help="with --dataset: recompute every line, discarding the results of an earlier run")
+        elif name == "matrices":
+            _common(sub)
+            sub.add_argument("--text", required=True)
+            sub.add_argument("--out-dir", type=Path, default=Path("matrices"))
+            sub.add_argument("--scale", type=int, default=8,
+                             help=f"pixels per map entry (default 8; a map is at most {MAX_MAP_PIXELS} pixels a side)")
+    return parser

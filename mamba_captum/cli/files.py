@@ -1,0 +1,82 @@
+"""The files a command reads and writes: outputs checked writable and a JSONL dataset read and checked before any model
+work, and the HTML report written at the end."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..explain import UsageError
+
+
+def writable_file(path: Path) -> Path:
+    """Check an output file can be written before any model work (the parent is created; a file this check creates
+    is removed again, so a run refused later leaves no empty output behind)."""
+    try:
+        if path.is_dir():
+            raise UsageError(f"{str(path)!r} is a directory; give a file name.")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with path.open("a", encoding="utf-8"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write {str(path)!r}: {error.strerror or error}.") from None
+    return path
+
+
+def writable_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mamba-captum-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"cannot write into {str(path)!r}: {error.strerror or error}.") from None
+    return path
+
+
+def read_dataset(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) for each non-empty line; every row checked before any model work."""
+    if path.is_dir():
+        raise UsageError(f"dataset {str(path)!r} is a directory; give a JSONL file.")
+    if not path.exists():  # a pipe (--dataset <(...)) exists without being a regular file, and reads as one
+        raise UsageError(f"dataset {str(path)!r} does not exist.")
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the first line's JSON
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as error:
+        raise UsageError(f"dataset {str(path)!r} is not UTF-8 text ({error.reason} at byte {error.start}).") from None
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UsageError(f"{path}:{number} is not JSON ({error.msg}).") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise UsageError(f'{path}:{number} has no "text" string; each line must be {{"text": ..., '
+                             '"target": ... (optional)}.')
+        rows.append((number, row))
+    if not rows:
+        raise UsageError(f"dataset {str(path)!r} holds no lines.")
+    return rows
+
+
+def distinct_files(named: dict) -> None:
+    """Refuse two options naming one file: an output would overwrite the dataset being read, or the other output."""
+    seen = {}
+    for option, path in named.items():
+        if path is None:
+            continue
+        key = path.resolve()
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {option} both name {str(path)!r}; give them different files.")
+        seen[key] = option
+
+
+def write_report(explanations, out: Path, title: str):
+    from ..html_report import render_html
+
+    out.write_text(render_html(explanations, title=title), encoding="utf-8")
+    print(f"report: {out}")

@@ -1,0 +1,153 @@
+"""The text commands: ``mamba-captum demo``, ``explain`` (texts or a JSONL dataset; ``--image`` hands over to
+images.py) and ``matrices``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..explain import UsageError
+from .arguments import MAX_MAP_PIXELS
+from .files import distinct_files, read_dataset, writable_dir, writable_file, write_report
+from .images import explain_images_command
+from .loading import load_model
+
+
+def _print_summary(explanations, file=sys.stdout, deciding=None, k=3):
+    """Each text's prediction and each method's top-k tokens; with ``deciding`` (one word mask per text, the demo
+    grammar's deciding words) also those words and, at the end, how many of them each method's top k hold."""
+    found, total = {}, 0
+    for number, item in enumerate(explanations):
+        print(f"{item.text!r}: {item.prediction} (p = {item.probability:.3f}); explained: {item.target}", file=file)
+        words = None
+        if deciding is not None:
+            words = {i for i, is_deciding in enumerate(deciding[number]) if is_deciding}
+            total += len(words)
+            print(f"  {'deciding':>11}: {', '.join(item.shown()[i] for i in sorted(words))} (by the grammar)",
+                  file=file)
+        for name in item.relevance:
+            tops = ", ".join(f"{token} {score:+.3f}" for token, score in item.top_tokens(name, k))
+            print(f"  {name:>11}: {tops}", file=file)
+            if words is not None:
+                found[name] = found.get(name, 0) + len(words & set(item.top_indices(name, k)))
+    if found:
+        print(f"deciding words among each method's top {k} ({total} in all): "
+              + ", ".join(f"{name} {count}" for name, count in found.items()), file=file)
+
+
+def demo_command(args):
+    from ..demo import DEMO_TEXTS, grammar, model_dir
+    from ..explain import explain
+
+    writable_file(args.out)
+    model, tokenizer = load_model(args, model_dir())
+    explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
+    for item in explanations:
+        item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
+    _print_summary(explanations, deciding=[grammar.deciding_words(text) for text in DEMO_TEXTS])
+    write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
+
+
+def explain_command(args):
+    from ..explain import encode_text, explain, label_words, resolve_target
+
+    if args.image:
+        return explain_images_command(args)
+
+    # read before anything is written: --jsonl naming the dataset would otherwise empty it
+    rows = read_dataset(args.dataset) if args.dataset else None
+    jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
+    distinct_files({"--dataset": args.dataset, "--jsonl": jsonl, "--out": args.out})
+    for path in (jsonl, args.out):
+        if path is not None:
+            writable_file(path)
+    group = None
+    if rows is not None:  # a dataset: shared by the processes of accelerate launch / torchrun, if any
+        from ..parallel import processes
+
+        group = processes(cpu=_runs_on_cpu(args))
+        if group.count > 1 and args.device == "cuda":
+            args.device = f"cuda:{group.state.local_process_index}"  # each process its own GPU
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--text runs in one process; give the texts as --dataset to share them among processes.")
+    model, tokenizer = load_model(args, args.model)
+    methods = args.method  # None: every method the model supports
+    options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
+                   layer_maps=args.out is not None)
+    if args.text:
+        explanations = explain(model, tokenizer, args.text, target=args.target, **options)
+        _print_summary(explanations)
+        if jsonl is not None:
+            jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+            print(f"results: {jsonl} ({len(explanations)} lines)")
+    else:
+        from ..explain import Explanation
+        from ..parallel import ResumeError, run_jobs
+
+        # a row's "target": null means --target
+        jobs = [dict(line=number, text=row["text"],
+                     target=row["target"] if row.get("target") is not None else args.target,
+                     methods=methods, formulation=args.formulation, labels=args.labels) for number, row in rows]
+        words = label_words(model, args.labels)
+        for job in jobs:  # every row's target and length, before hours of work
+            try:
+                resolve_target(model, tokenizer, job["target"], words)
+                encode_text(model, tokenizer, job["text"])
+            except UsageError as error:
+                raise UsageError(f"{args.dataset}:{job['line']}: {error}") from None
+
+        def work(job):
+            (item,) = explain(model, tokenizer, job["text"], target=job["target"], methods=methods,
+                              formulation=args.formulation, labels=args.labels, layer_maps=False)
+            return item.to_dict()
+
+        try:
+            records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining")
+        except ResumeError as error:
+            raise UsageError(str(error)) from None
+        if records is None:  # not the main process: the main one writes the report
+            return
+        print(f"results: {jsonl} ({len(records)} lines)")
+        if args.out is not None:
+            write_report([Explanation.from_dict(record) for record in records], args.out,
+                         f"mamba-captum: {Path(args.model).name}")
+        return
+    if args.out is not None:
+        write_report(explanations, args.out, f"mamba-captum: {Path(args.model).name}")
+
+
+def _runs_on_cpu(args) -> bool:
+    """Whether this run computes on CPU (torch.distributed's gloo backend between processes) or on GPUs."""
+    import torch
+
+    if args.device_map is not None:
+        return not torch.cuda.is_available()
+    return str(args.device or "cpu").startswith("cpu")
+
+
+def matrices_command(args):
+    from ..explain import encode_text, explain
+    from ..html_report import map_png
+
+    if args.scale < 1:
+        raise UsageError(f"--scale must be at least 1, not {args.scale}.")
+    if args.scale > MAX_MAP_PIXELS:  # even a one-token text would exceed the largest map
+        raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
+                         "(tokens × scale); use a smaller --scale.")
+    writable_dir(args.out_dir)
+    model, tokenizer = load_model(args, args.model)
+    length = encode_text(model, tokenizer, args.text).shape[1]
+    if length * args.scale > MAX_MAP_PIXELS:
+        fitting = MAX_MAP_PIXELS // length
+        advice = (f"use --scale {fitting} or less" if fitting else
+                  f"the text is too long for a map even at --scale 1; give at most {MAX_MAP_PIXELS} tokens")
+        raise UsageError(f"{length} tokens at --scale {args.scale} make maps {length * args.scale} pixels a side; "
+                         f"the most is {MAX_MAP_PIXELS}: {advice}.")
+    (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
+    for layer, matrix in item.layer_maps.items():
+        # Zamba2's shared attention block has the key "{i}.shared_attention", Inkling's MLP branch "{i}.mlp_sconv"
+        name = f"layer_{layer:02d}" if isinstance(layer, int) else f"layer_{str(layer).replace('.', '_')}"
+        (args.out_dir / f"{name}.png").write_bytes(map_png(matrix, args.scale))
+    (args.out_dir / "tokens.json").write_text(json.dumps(item.tokens) + "\n")
+    print(f"{len(item.layer_maps)} layer maps ({len(item.tokens)} tokens, {args.formulation}) in {args.out_dir}")
