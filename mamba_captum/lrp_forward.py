@@ -93,7 +93,8 @@ class LRPForward(contextlib.AbstractContextManager):
         return bool(captures) and captures[-1] is self
 
     def _check(self, name, real, rule, rows_mask=None, module=None, layer_input=None):
-        check_reconstruction(name, real, rule, self.model_dtype, rows_mask, module=module, layer_input=layer_input)
+        check_reconstruction(name, real, rule, self.model_dtype, rows_mask, module=module, layer_input=layer_input,
+                             model=self.model)
 
     # -- hooks ----------------------------------------------------------------------------------------------
     def _on_pre(self, planned, module, args, kwargs):

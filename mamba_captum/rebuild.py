@@ -13,7 +13,7 @@ from .fast_scans import fast_scans
 from .keys import LayerPartKey, SharedAttentionKey
 from .offload import loaded_weights
 from .operators import ComposedOperator, SumOperator, operator_output_grad
-from .verification import ReconstructionError, check_reconstruction
+from .verification import ReconstructionError, check_maps, check_reconstruction
 
 FORMULATIONS = ("unified", "hidden")
 
@@ -84,6 +84,9 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
     """
     dtype = model_dtype(model)
     work_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    # the maps are checked where they are made (check_maps), against the operator's output: with parts of the operator
+    # switched off (components=, an ablation) they describe by design another function than the layer's
+    whole = kept == frozenset(families.COMPONENTS)
     token_mask = None if attention_mask is None else attention_mask.to(torch.float64)
     attention_calls: dict[int, list] = {}
     for call in trace.attention_calls:
@@ -116,7 +119,7 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
                         f"random in train() mode (attention_dropout={dropout}): the probabilities it used cannot be "
                         "recovered. Explain the model in eval() mode.")
                 error = check_reconstruction(f"layer {index} ({type(call.module).__name__})", real, rebuilt, dtype,
-                                             token_mask, module=call.module, layer_input=call.value)
+                                             token_mask, module=call.module, layer_input=call.value, model=model)
                 attention_error = error if attention_error is None else max(attention_error, error)
             parts = []  # the layer's token mixers in execution order: [name, operator, error, call whose output it gives]
             for call in calls:
@@ -143,7 +146,7 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
                 ssm_error = check_reconstruction(
                     f"layer {index} ({located.name}, {type(located.module).__name__})", call.output, rebuilt, dtype,
                     None if consumed_error is None else token_mask, module=located.module,
-                    layer_input=call.hidden_states)
+                    layer_input=call.hidden_states, model=model)
                 if consumed_error is not None:
                     ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
                 if located.follows is not None:
@@ -166,17 +169,24 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
                 combined = SumOperator([(float(layer.ssm_out_multiplier), ssm), (float(layer.attn_out_multiplier),
                                                                                    attention)])
                 grads = None if ssm_grads is None else [list(pair) for pair in zip(ssm_grads, attention_grads)]
-                yield index, combined.to(work_dtype), max(ssm_error, attention_error), grads
+                combined = combined.to(work_dtype)
+                if whole:
+                    check_maps(f"layer {index}", combined, dtype, token_mask)
+                yield index, combined, max(ssm_error, attention_error), grads
                 continue
             if attention is not None:  # Zamba2's shared block runs before the layer's Mamba-2 mixer
-                yield (SharedAttentionKey(index) if parts else index), attention.to(work_dtype), \
-                    attention_error, attention_grads
+                key = SharedAttentionKey(index) if parts else index
+                attention = attention.to(work_dtype)
+                check_maps(f"layer {key}", attention, dtype, token_mask)  # softmax: no components to switch off
+                yield key, attention, attention_error, attention_grads
             ssm = rebuilt = None  # (the loop's last) float64 operator and rebuilt output: not alive during the maps
             for number in range(len(parts)):
                 name, operator, error, call = parts[number]
                 parts[number] = None  # the float64 operator is not kept alive while the caller uses the cast one
                 key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
                 grads, operator = _operator_grads(operator, call), operator.to(work_dtype)
+                if whole:  # the maps' kernels, where they are made
+                    check_maps(f"layer {key} ({name})", operator, dtype, token_mask, call.located.module)
                 yield key, operator, error, grads
                 del operator
 

@@ -5,6 +5,8 @@ returned). :func:`check_reconstruction` compares them and raises :class:`Reconst
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .checks import NonFiniteError, nonfinite_parameters
@@ -29,11 +31,15 @@ def user_hooked(module) -> list[str]:
 
 
 def check_reconstruction(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None, *,
-           module=None, layer_input=None):
+           module=None, layer_input=None, model=None):
     """The relative error of the rebuilt layer output; raise if it is above the dtype's tolerance.
 
+    ``model``: where to look for the non-finite weights upstream of a layer whose input is not finite (a norm before
+    the mixer).
+
     Raises:
-        NonFiniteError: the real output holds NaN or inf (naming the layer's non-finite weights, or its input).
+        NonFiniteError: the real output holds NaN or inf (naming the layer's non-finite weights, or the model's first
+            ones, or its input).
         ReconstructionError: the rebuilt output does not reproduce the real one.
     """
     if not bool(torch.isfinite(real).all()):
@@ -41,7 +47,10 @@ def check_reconstruction(name: str, real: torch.Tensor, rebuilt: torch.Tensor, d
         if culprits:
             cause = f"non-finite weights: {', '.join(culprits)}; reload or repair them"
         elif layer_input is not None and not bool(torch.isfinite(layer_input).all()):
-            cause = "its input already holds NaN or inf (an earlier layer, the embeddings or inputs_embeds)"
+            upstream = [] if model is None else nonfinite_parameters(model)  # in module order: the first bad first
+            cause = (f"its input already holds NaN or inf, and the model has non-finite weights: {', '.join(upstream)};"
+                     " reload or repair them" if upstream else
+                     "its input already holds NaN or inf (an earlier layer, the embeddings or inputs_embeds)")
         else:
             cause = (f"its weights and input are finite, so it overflowed in {dtype}: run the model in float32, or "
                      "for an attention layer try another attn_implementation (HF's eager attention gives NaN on "
@@ -64,3 +73,184 @@ def check_reconstruction(name: str, real: torch.Tensor, rebuilt: torch.Tensor, d
             f"(max abs error {error:.3g}, relative {relative:.3g}, tolerance {TOLERANCE.get(dtype, 1e-3):g}). "
             "This layer variant is not supported as loaded; please report the model class and config." + hint)
     return relative
+
+
+# Largest accepted relative error of the map check (:func:`check_maps`), by model dtype. The maps' kernels and the
+# operator's output take different routes, and the output is in places the layer's own recorded tensor (rounded to the
+# model's dtype: HF's float32 scans in float64 models, bfloat16 models): float64 models agree to ~1e-12 where the
+# output is rebuilt and ~1e-8 where HF rounds to float32; half-precision models as their layer check. A kernel that
+# lost precision (RWKV under decays near float64's range) or a wrong band is off by 1e-4 or more
+# (tests/test_map_checks.py).
+MAP_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+MAP_CHECK_ROWS = 8  # query rows checked per map: first, last and evenly spaced between
+# channels checked per operator part: the most strongly decaying ones (where precision is lost first) and random
+# others; every channel of a smaller part (a map kernel's work grows with the channels: all 1536 of a 130m layer
+# would cost about as much as the map itself)
+MAP_CHECK_STRESSED, MAP_CHECK_RANDOM = 8, 8
+
+
+class MapCheckError(ReconstructionError):
+    """The maps of a layer's operator do not reproduce the operator's own output (which reproduces the layer's)."""
+
+
+def map_check_rows(length: int, device=None) -> torch.Tensor:
+    """The query rows :func:`check_maps` checks: up to ``MAP_CHECK_ROWS``, the first, the last (the longest sums) and
+    evenly spaced between. (R,) long."""
+    count = min(length, MAP_CHECK_ROWS)
+    return torch.linspace(0, length - 1, count, dtype=torch.float64).round().long().unique().to(device)
+
+
+def _probe_and_target(operator, generator):
+    """A random operator-output gradient g (fixed seed) and Σ_c g_c[i] y_c[i] per token: (g, (B, L) float64). A
+    :class:`~mamba_captum.operators.SumOperator` takes one g per part."""
+    if not hasattr(operator, "output"):  # parallel parts summed, each with its own output
+        probes = [_probe_and_target(part, generator) for _, part in operator.parts]
+        return [g for g, _ in probes], sum(target for _, target in probes)
+    output = operator.output.detach().to(torch.float64)
+    g = torch.randn(output.shape, generator=generator, dtype=torch.float64).to(output.device)
+    return g, (g * output).flatten(2).sum(-1)
+
+
+def _is_operator(value) -> bool:
+    return dataclasses.is_dataclass(value) and hasattr(value, "contributions")
+
+
+def bias_operator(operator):
+    """The operator's response to its convolutions' biases, as an operator: each part with a ``conv_bias`` acting,
+    without its conv, on the bias at every token, every other part on zeros. Its contributions add up to the share of
+    ``output`` that comes from no token (:func:`check_maps` subtracts it); None when no part has a conv bias."""
+    found = False
+
+    def replaced(value):
+        nonlocal found
+        if isinstance(value, (list, tuple)):
+            return type(value)(replaced(item) for item in value)
+        if not _is_operator(value):
+            return value
+        changes = {f.name: replaced(getattr(value, f.name)) for f in dataclasses.fields(value)
+                   if f.name not in ("values", "conv_bias")}
+        if any(f.name == "values" for f in dataclasses.fields(value)) and torch.is_tensor(value.values):
+            bias = getattr(value, "conv_bias", None)
+            if bias is not None and getattr(value, "conv_weight", None) is not None:
+                found = True
+                changes.update(values=bias.to(value.values.dtype).expand_as(value.values), conv_weight=None,
+                               conv_bias=None)
+            else:
+                changes["values"] = torch.zeros_like(value.values)
+        return dataclasses.replace(value, **changes)
+
+    result = replaced(operator)
+    return result if found else None
+
+
+def _sampled_channels(operator, generator) -> torch.Tensor | None:
+    """The channels :func:`channel_sample` keeps of one operator: the ``MAP_CHECK_STRESSED`` with the largest decay
+    per token (Δ·max|A|, or the log-decay) and ``MAP_CHECK_RANDOM`` others at random; None to keep all."""
+    first = next(iter(operator.CHANNEL_FIELDS))  # delta or log_decay: (B, L, C)
+    driver = getattr(operator, first).detach()
+    count = driver.shape[-1]
+    values, axis = getattr(operator, "values", None), operator.CHANNEL_FIELDS.get("values", -1)
+    # a unit of the sample may hold several channels (a Mamba-2 head of P): as many units as make ~16 channels
+    width = 1 if not torch.is_tensor(values) else max(1, values[(0,) * (axis % values.dim() + 1)].numel())
+    stressed_count, random_count = max(1, MAP_CHECK_STRESSED // width), max(1, MAP_CHECK_RANDOM // width)
+    if count <= stressed_count + random_count:
+        return None
+    stress = driver.abs().flatten(0, -2).amax(0).to(torch.float64)
+    A = getattr(operator, "A", None)
+    if torch.is_tensor(A):  # Δ·|A|: the exponent per token
+        stress = stress * A.detach().abs().reshape(count, -1).amax(-1).to(stress.device, torch.float64)
+    stressed = stress.nan_to_num(float("inf")).topk(stressed_count).indices.cpu()
+    others = torch.tensor(sorted(set(range(count)) - set(stressed.tolist())))
+    chosen = others[torch.randperm(len(others), generator=generator)[:random_count]]
+    return torch.cat([stressed, chosen]).sort().values.to(driver.device)
+
+
+def channel_sample(operator, generator):
+    """The operator restricted to a sample of its channels (:func:`_sampled_channels`), part by part where the
+    parts' channels are separable (directions, channel blocks, parallel sums); an operator without
+    ``CHANNEL_FIELDS`` (softmax, delta-rule heads, compositions) whole. SSD operators with several groups of B, C
+    stay whole (a head subset would have to follow its group)."""
+    if getattr(operator, "CHANNEL_SEPARABLE", False):
+        def sampled(value):
+            if isinstance(value, (list, tuple)):
+                return type(value)(sampled(item) for item in value)
+            return channel_sample(value, generator) if _is_operator(value) else value
+
+        return dataclasses.replace(operator, **{f.name: sampled(getattr(operator, f.name))
+                                                for f in dataclasses.fields(operator)})
+    fields = getattr(operator, "CHANNEL_FIELDS", None)
+    B = getattr(operator, "B", None)
+    if fields is None or (torch.is_tensor(B) and B.dim() == 4 and B.shape[2] > 1):
+        return operator
+    index = _sampled_channels(operator, generator)
+    if index is None:
+        return operator
+    changes = {}
+    for name, axis in fields.items():
+        value = getattr(operator, name)
+        if torch.is_tensor(value):
+            changes[name] = value.index_select(axis % value.dim(), index.to(value.device))
+    return dataclasses.replace(operator, **changes)
+
+
+def check_maps(name: str, operator, dtype: torch.dtype, token_mask=None, module=None) -> float:
+    """Check the maps of ``operator`` where they are made: through the maps' own kernels, for a few query rows i
+    (:func:`map_check_rows`) and a random channel weighting g, the contributions Σ_j Σ_c g_c[i] H_c[i, j] x_c[j]
+    (``operator.contributions``) must add up to Σ_c g_c[i] y_c[i], with y the operator's output, which the layer check
+    (:func:`check_reconstruction`) compared with the layer's real output. So a map kernel that loses precision (or a
+    wrong kernel) cannot return numbers unnoticed; rows of padding tokens are not compared. Large operators are checked
+    on a sample of their channels (:func:`channel_sample`: the most strongly decaying and random others). Cost: the
+    contributions of ``MAP_CHECK_ROWS`` rows of the sampled channels.
+
+    Args:
+        operator: a rebuilt operator (:mod:`mamba_captum.operators`) with its ``values`` and ``output``.
+        dtype: the model's dtype (the tolerance's).
+        token_mask: (B, L) or None, 1 for real tokens.
+        module: the token mixer, whose non-finite weights a failure names.
+    Returns:
+        the relative error, ``max |Σ_j contributions − Σ_c g_c y_c| / max Σ_j |contributions|``.
+    Raises:
+        MapCheckError: above ``MAP_TOLERANCE`` for the model's dtype.
+    """
+    generator = torch.Generator().manual_seed(0)
+    operator = channel_sample(operator, generator)
+    g, target = _probe_and_target(operator, generator)
+    rows = map_check_rows(target.shape[1], target.device)
+    contributions = operator.contributions(g, rows).to(torch.float64)  # (B, R, L)
+    from_biases = bias_operator(operator)
+    if from_biases is not None:  # the conv biases' share of the output is in no map
+        target = target[:, rows] - from_biases.contributions(g, rows).to(torch.float64).sum(-1)
+    else:
+        target = target[:, rows]
+    tolerance = MAP_TOLERANCE.get(dtype, 1e-3)
+    difference = (contributions.sum(-1) - target).abs()
+    scale = contributions.abs().sum(-1)
+    if token_mask is not None:
+        real = token_mask.to(device=difference.device)[:, rows] != 0
+        difference, scale = difference * real, scale * real
+    finite = bool(torch.isfinite(contributions).all())
+    largest = scale.max().item() if scale.numel() else 0.0
+    relative = difference.max().item() / largest if largest > 0 else difference.max().item() if finite else 0.0
+    if not finite or not relative <= tolerance:
+        culprits = [] if module is None else nonfinite_parameters(module)
+        if culprits:  # finite outputs from infinite weights (an infinite decay forgets all but the last token)
+            raise NonFiniteError(
+                f"mamba_captum: the implicit-attention maps of {name} cannot be computed: its weights are not finite "
+                f"({', '.join(culprits)}), though the layer's output is; reload or repair them.")
+        raise MapCheckError(
+            f"mamba_captum: the implicit-attention maps of {name} do not reproduce the layer's output (relative error "
+            f"{relative:.3g} over {len(rows)} checked rows, tolerance {tolerance:g}"
+            f"{'' if finite else '; the maps hold NaN or inf'}), although the operator itself does: its parameters "
+            f"put the maps' kernel out of its exact range{_largest_decay(operator)}. No maps are returned for it; "
+            "please report the model class and config.")
+    return relative
+
+
+def _largest_decay(operator) -> str:
+    log_decay = getattr(operator, "log_decay", None)
+    if not torch.is_tensor(log_decay):
+        return ""
+    source = getattr(operator, "decay_source", None)
+    return (f" (largest per-token log-decay {log_decay.max().item():.3g}{f', set by {source}' if source else ''}: "
+            "a decay this strong forgets all but the last tokens, beyond the float64 range of the maps' log-space "
+            "sums)")

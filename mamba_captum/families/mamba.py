@@ -52,6 +52,7 @@ class ScanPieces:
     skip: torch.Tensor
     gate: torch.Tensor
     taps: torch.Tensor
+    conv_bias: torch.Tensor | None = None  # (D,) the conv's bias, work dtype
 
 
 def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, state_size: int, norms=None,
@@ -96,7 +97,8 @@ def scan_pieces(x, z, mask, *, conv1d, x_proj, dt_proj, A_log, D, rank: int, sta
     B, C = w(B), w(C)
     check = lambda t: t.to(check_dtype)  # noqa: E731
     scan = selective_scan_reference(check(u), check(delta), check(A), check(B), check(C)) if with_scan else None
-    return ScanPieces(x.contiguous(), u, pre, delta, A, B, C, scan, w(D) * w(u), F.silu(w(z)), w(taps))
+    return ScanPieces(x.contiguous(), u, pre, delta, A, B, C, scan, w(D) * w(u), F.silu(w(z)), w(taps),
+                      None if conv1d.bias is None else w(conv1d.bias))
 
 
 def selective_operator(pieces: ScanPieces, formulation: str, components: frozenset, mask, readout=None,
@@ -121,7 +123,7 @@ def selective_operator(pieces: ScanPieces, formulation: str, components: frozens
         output.mul_(row_scale)
     return SelectiveOperator(
         p.delta, p.A, p.B, p.C, mask, row_weight=row, col_weight=col,
-        conv_weight=p.taps if "conv" in components else None, s6="s6" in components,
+        conv_weight=p.taps if "conv" in components else None, conv_bias=p.conv_bias, s6="s6" in components,
         values=p.x, output=output, readout=readout)
 
 

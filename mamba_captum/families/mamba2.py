@@ -131,6 +131,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         col = torch.ones_like(x)  # keep the per-channel layout of the unified operator
     operator = SSDOperator(delta, A, B, C, operator_mask, row_weight=per_head(row), col_weight=per_head(col),
                            conv_weight=taps, head_dim=head_dim, s6="s6" in components,
+                           conv_bias=None if conv.bias is None else w(conv.bias[:d_inner]).view(heads, head_dim),
                            values=per_head(w(xbc[..., :d_inner])),
                            output=per_head(ssd.reshape(batch, length, d_inner) * token_scale), readout=readout)
     return operator, rebuilt

@@ -79,7 +79,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     log_decay = w(-log_a)
     gate = w(y_branch)
     common = dict(log_decay=log_decay, log_q=None, log_k=None, log_diag=None, segments=segments,
-                  mask=None if call.attention_mask is None else w(call.attention_mask), s6="s6" in components)
+                  mask=None if call.attention_mask is None else w(call.attention_mask), s6="s6" in components,
+                  decay_source="rg_lru.recurrent_param (with the recurrence gate)")
 
     scan = reset_decay_scan(w(conv_out), log_decay, col_weight=col, segments=segments)  # RG-LRU output
     rebuilt = run(block.linear_out, (scan * gate).to(hidden.dtype))

@@ -77,7 +77,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     mask = None if call.attention_mask is None else w(call.attention_mask)
     output = linear_readout(mixer.output)
     common = dict(log_decay=log_decay, log_q=log_q, log_k=log_k, log_diag=log_diag, segments=None, mask=mask,
-                  values=v, s6="s6" in components)
+                  values=v, s6="s6" in components, decay_source="time_decay (the decay rate is exp(time_decay))")
     if formulation == "hidden":  # the operator's output is the WKV; the receptance gate comes after it
         r64 = r.double()
         return DecayOperator(**common, output=wkv, readout=lambda y: output(r64 * y)), rebuilt

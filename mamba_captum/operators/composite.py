@@ -20,6 +20,8 @@ class SumOperator:
     Reduced maps add up; with ``reduce=None`` the scaled channels of the parts are concatenated along C.
     """
 
+    CHANNEL_SEPARABLE = True  # each part's channels may be sampled on their own (the run-time map check)
+
     parts: list = field(default_factory=list)  # [(scale, operator)]
 
     def to(self, dtype: torch.dtype):
@@ -52,6 +54,8 @@ class ChannelBlocksOperator:
     Reductions: ``"sum"`` adds the parts' sums; ``"mean"`` / ``"abs_mean"`` weight each part's mean by its channel
     count (the mean over all channels); ``reduce=None`` concatenates the per-channel maps along C.
     """
+
+    CHANNEL_SEPARABLE = True  # each part's channels may be sampled on their own (the run-time map check)
 
     parts: list = field(default_factory=list)
     readout: Callable | None = field(default=None, repr=False)

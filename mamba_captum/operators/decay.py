@@ -23,6 +23,10 @@ class DecayOperator:
     large numbers whose float32 rounding alone would move α by ~1e-6.
     """
 
+    # field -> its channel axis (a subset of channels: the run-time map check's sample)
+    CHANNEL_FIELDS = {"log_decay": -1, "log_q": -1, "log_k": -1, "log_diag": -1, "row_weight": -1, "col_weight": -1,
+                      "conv_weight": 0, "conv_bias": 0, "values": -1, "output": -1}
+
     log_decay: torch.Tensor  # (B, L, C) ≥ 0
     log_q: torch.Tensor | None
     log_k: torch.Tensor | None
@@ -32,11 +36,13 @@ class DecayOperator:
     row_weight: torch.Tensor | None = None  # (B, L, C) RWKV: σ(receptance); Griffin: gelu(linear_y h)
     col_weight: torch.Tensor | None = None  # (B, L, C) Griffin: √(1 − a²) · input gate
     conv_weight: torch.Tensor | None = None  # (C, K) bias-free causal conv (Griffin unified)
+    conv_bias: torch.Tensor | None = None  # (C,) the conv's bias: its share of ``output`` comes from no token
     s6: bool = True  # False: the recurrence switched off (H = diag(row) · M, the "w/o S6" ablation)
     values: torch.Tensor | None = None  # (B, L, C) what H acts on
     output: torch.Tensor | None = None  # (B, L, C) H x
     readout: Callable | None = field(default=None, repr=False)  # output (float64) -> mixer output
     out_dtype: torch.dtype = torch.float64
+    decay_source: str | None = None  # the parameter that sets log_decay (named when the maps are refused)
 
     def to(self, dtype: torch.dtype):
         """The same operator, detached, giving ``dtype`` maps (the pieces themselves stay float64)."""

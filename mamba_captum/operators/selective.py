@@ -19,6 +19,11 @@ from .common import CastMixin, mask_rows_cols
 class SelectiveOperator(CastMixin):
     """Mamba-1 layout: H_c = diag(row_c) · α_c · diag(col_c) · M_c, α the S6 kernel (hidden: row = col = 1, M = I)."""
 
+    # field -> its channel axis: the operator of a subset of channels keeps these fields' entries of those channels
+    # (the run-time map check's sample, mamba_captum.verification)
+    CHANNEL_FIELDS = {"delta": -1, "A": 0, "row_weight": -1, "col_weight": -1, "conv_weight": 0, "conv_bias": 0,
+                      "values": -1, "output": -1}
+
     delta: torch.Tensor  # (B, L, D)
     A: torch.Tensor  # (D, N)
     B: torch.Tensor  # (B, L, N)
@@ -27,6 +32,7 @@ class SelectiveOperator(CastMixin):
     row_weight: torch.Tensor | None = None  # (B, L, D) gate silu(z)
     col_weight: torch.Tensor | None = None  # (B, L, D) activation gain σ(conv pre-activation) · mask
     conv_weight: torch.Tensor | None = None  # (D, K) bias-free causal conv taps
+    conv_bias: torch.Tensor | None = None  # (D,) the conv's bias: its share of ``output`` comes from no token
     s6: bool = True
     values: torch.Tensor | None = None  # (B, L, D) what the operator acts on (unified: conv input x; hidden: u)
     output: torch.Tensor | None = None  # (B, L, D) H x (unified: out_proj input without the D skip; hidden: scan)
@@ -88,6 +94,8 @@ class BidirectionalOperator:
     the sequence's order, (B, L, 2, D), and ``readout`` maps that stack (float64) to the mixer output.
     """
 
+    CHANNEL_SEPARABLE = True  # each direction's channels may be sampled on their own (the run-time map check)
+
     forward: SelectiveOperator
     backward: SelectiveOperator
     readout: Callable | None = field(default=None, repr=False)
@@ -148,6 +156,10 @@ class BidirectionalOperator:
 class SSDOperator(CastMixin):
     """Mamba-2 layout: per channel (h, p) H = diag(row) · α_h · diag(col) · M; per head α_h when all weights are None."""
 
+    # field -> its head axis (a subset of heads; with one group of B, C only: heads map to groups)
+    CHANNEL_FIELDS = {"delta": -1, "A": 0, "row_weight": 2, "col_weight": 2, "conv_weight": 0, "conv_bias": 0,
+                      "values": 2, "output": 2}
+
     delta: torch.Tensor  # (B, L, H)
     A: torch.Tensor  # (H,)
     B: torch.Tensor  # (B, L, G, N)
@@ -156,6 +168,7 @@ class SSDOperator(CastMixin):
     row_weight: torch.Tensor | None = None  # (B, L, H, P) norm scale ν · gate silu(z)
     col_weight: torch.Tensor | None = None  # (B, L, H, P) activation gain · mask
     conv_weight: torch.Tensor | None = None  # (H, P, K)
+    conv_bias: torch.Tensor | None = None  # (H, P) the conv's bias: its share of ``output`` comes from no token
     head_dim: int = 1
     s6: bool = True
     values: torch.Tensor | None = None  # (B, L, H, P) unified: x before the conv; hidden: x after it
