@@ -8,10 +8,10 @@ gives (B, L, L) maps over the tokens in the model's order (CLS included), and th
 (LFM3-VL's) are described by :class:`PackedPatches`.
 """
 from .checkpoints import VARIANTS, detect_config, load_vim, read_checkpoint, vim_base, vim_small, vim_tiny
-from .images import IMAGENET_MEAN, IMAGENET_STD, load_image, preprocess, to_display
+from .images import IMAGENET_MEAN, IMAGENET_STD, ImageError, load_image, preprocess, to_display
 from ..layout import PackedPatches, TokenLayout, packed_tower, vision_layout
 from .modeling_vim import RMSNorm, VimMixer, VisionMamba
 
-__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "PackedPatches", "RMSNorm", "TokenLayout", "VimMixer",
-           "VisionMamba", "detect_config", "load_image", "load_vim", "packed_tower", "preprocess", "read_checkpoint",
-           "to_display", "vim_base", "vim_small", "vim_tiny", "vision_layout"]
+__all__ = ["VARIANTS", "IMAGENET_MEAN", "IMAGENET_STD", "ImageError", "PackedPatches", "RMSNorm", "TokenLayout",
+           "VimMixer", "VisionMamba", "detect_config", "load_image", "load_vim", "packed_tower", "preprocess",
+           "read_checkpoint", "to_display", "vim_base", "vim_small", "vim_tiny", "vision_layout"]

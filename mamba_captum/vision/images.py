@@ -1,37 +1,61 @@
 """Image files in, pixel tensors out: the evaluation transform of the official Vim models (DeiT / timm's).
 
-``preprocess(path)``: RGB, shorter side resized to ``int(size / crop_pct)`` (bicubic), centre crop ``size`` (as
-torchvision's Resize and CenterCrop compute them), scaled to [0, 1], normalised with ImageNet's mean and std ->
-(1, 3, size, size) float32. ``to_display`` undoes the
-normalisation for ``captum.attr.visualization.visualize_image_attr`` (an (H, W, 3) array in [0, 1]).
+``preprocess(path)``: the pixels in [0, 1] (every Pillow mode at its own scale: 8-bit, 16-bit, float; transparency
+composited on white; see ``docs/vision.md``), shorter side resized to ``int(size / crop_pct)`` (bicubic), centre crop
+``size`` (as torchvision's Resize and CenterCrop compute them), normalised with ImageNet's mean and std ->
+(1, 3, size, size) float32. ``to_display`` undoes the normalisation for
+``captum.attr.visualization.visualize_image_attr`` (an (H, W, 3) array in [0, 1]).
+
+Files are bounded before their pixels are decoded: an image over :data:`MAX_PIXELS` pixels, or one whose resize
+would make an image over it (a 1 × 30000 strip), is refused with an :class:`ImageError`.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# The pixel budget of a decoded image and of a resized one (read at each call: raise it for large files you trust).
+# Pillow's default Image.MAX_IMAGE_PIXELS, where it starts warning of decompression bombs, so that what Pillow warns
+# about is what the library refuses; ~340 MiB decoded at 4 bytes a pixel.
+MAX_PIXELS = 89_478_485
+_WHITE = 255  # the background transparent pixels are composited on (8-bit): white, as a page shows them
+# Pillow modes by how their values become [0, 1] (docs/vision.md, "Image files")
+_CONVERTED = ("1", "L", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")  # Pillow's conversion to 8-bit RGB
+_WITH_ALPHA = {"LA": "LA", "La": "LA", "P": "P", "PA": "PA", "RGBA": "RGBA", "RGBa": "RGBA"}  # -> straight alpha
+_SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+_SIXTEEN_BIT_MAX = 65535
+
+
+class ImageError(ValueError):
+    """An image the library will not read: not an image, over the pixel budget, or values it cannot scale to
+    [0, 1]. The message names the problem and the fix; the CLI prints it as one line (exit code 2)."""
 
 
 def load_image(path):
-    """The image at ``path`` as an RGB ``PIL.Image`` (PNG, JPEG, anything Pillow reads).
+    """The image at ``path`` as an RGB ``PIL.Image`` (PNG, JPEG, anything Pillow reads), 8 bits a channel.
+
+    Every mode is scaled to its own range (a 16-bit image is rounded to 8 bits, not clipped), transparency is
+    composited on white and the EXIF orientation applied; :func:`preprocess` keeps 16-bit and float images at
+    full precision.
 
     Raises:
-        FileNotFoundError; ValueError when the file is not an image.
+        FileNotFoundError: no file at ``path``.
+        ImageError: (a ValueError) the file is not an image, holds more than :data:`MAX_PIXELS` pixels, or values
+            outside its mode's range.
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"mamba_captum: no image file at {path!r}.")
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"mamba_captum: {path!r} is not an image Pillow can read ({error}).") from None
+    name = repr(os.fspath(path))
+    with _open_bounded(path) as opened:
+        image = _scaled(_decoded(opened, name), name)
+    if image.mode == "F":
+        image = Image.fromarray(np.round(np.asarray(image) * 255).astype(np.uint8)).convert("RGB")
+    return image
 
 
 def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -41,23 +65,39 @@ def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std
     transform): the shorter side to ``int(size / crop_pct)``, the longer one truncated in proportion, the centre
     crop's offsets rounded. ``crop_pct=1`` resizes the whole image to ``size`` × ``size``; a ``(height, width)``
     size (a model trained on non-square images) resizes to it without cropping.
+
+    Before normalisation the pixels are in [0, 1], each Pillow mode at its own scale (16-bit grey by 65535, float
+    images as they are; docs/vision.md lists every mode); transparent pixels are composited on white; a file's
+    EXIF orientation is applied. A file is checked against :data:`MAX_PIXELS` from its header, before decoding.
+
+    Raises:
+        FileNotFoundError: no file at the path.
+        ImageError: (a ValueError) a file that is not an image, an image over the pixel budget or whose resize
+            would be, or values outside the mode's range.
     """
     from PIL import Image
 
-    if not isinstance(image, Image.Image):
-        image = load_image(image)
-    image = image.convert("RGB")
     height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-    if height != width or crop_pct >= 1:
-        image = image.resize((width, height), Image.BICUBIC)
+    if isinstance(image, Image.Image):
+        name = "the image"
+        _resize_plan(image.size, height, width, crop_pct, name)
+        image = _scaled(image, name)
     else:
-        scale = int(height / crop_pct)
-        w, h = image.size
-        new = (scale, int(scale * h / w)) if w <= h else (int(scale * w / h), scale)
-        image = image.resize(new, Image.BICUBIC)
-        top, left = int(round((new[1] - height) / 2.0)), int(round((new[0] - width) / 2.0))
-        image = image.crop((left, top, left + width, top + height))
-    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+        name = repr(os.fspath(image))
+        with _open_bounded(image) as opened:
+            # from the header, before decoding (an EXIF turn swaps the sides: the resized size is the same)
+            _resize_plan(opened.size, height, width, crop_pct, name)
+            image = _scaled(_decoded(opened, name), name)
+    resized, crop = _resize_plan(image.size, height, width, crop_pct, name)  # the EXIF orientation applied
+    image = image.resize(resized, Image.BICUBIC)
+    if crop is not None:
+        image = image.crop(crop)
+    if image.mode == "F":  # grey, at full precision; bicubic overshoots, as it does (clipped) in 8 bits
+        grey = np.clip(np.asarray(image, dtype=np.float32), 0.0, 1.0)
+        values = np.repeat(grey[:, :, None], 3, axis=2)
+    else:
+        values = np.asarray(image, dtype=np.float32) / 255.0
+    pixels = torch.from_numpy(values).permute(2, 0, 1)
     pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     return pixels[None].contiguous()
 
@@ -68,3 +108,100 @@ def to_display(pixels: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np
         pixels = pixels[0]
     image = pixels.detach().float().cpu() * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
     return image.clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def _open_bounded(path):
+    """The file opened (its header read, no pixel decoded), refused over the pixel budget."""
+    from PIL import Image, UnidentifiedImageError
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"mamba_captum: no image file at {path!r}.")
+    try:
+        with warnings.catch_warnings():  # Pillow's bomb warning: refused here, not printed under the error
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(path)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise ImageError(f"mamba_captum: {path!r} is too large to decode ({error}); the library reads images of "
+                         f"up to {MAX_PIXELS:,} pixels (mamba_captum.vision.images.MAX_PIXELS): downscale it "
+                         "first.") from None
+    except (UnidentifiedImageError, OSError, ValueError, EOFError, SyntaxError) as error:
+        raise ImageError(f"mamba_captum: {path!r} is not an image Pillow can read ({error}).") from None
+    width, height = image.size
+    if width * height > MAX_PIXELS:
+        image.close()
+        raise ImageError(f"mamba_captum: {path!r} is {width} × {height} = {width * height:,} pixels, over the "
+                         f"budget of {MAX_PIXELS:,} (mamba_captum.vision.images.MAX_PIXELS): downscale it first.")
+    return image
+
+
+def _decoded(opened, name):
+    """The pixels of an opened file, turned as its EXIF orientation says (as image viewers show it)."""
+    from PIL import ImageOps
+
+    try:
+        opened.load()
+        return ImageOps.exif_transpose(opened)
+    except (OSError, ValueError, EOFError, SyntaxError) as error:  # truncated or corrupt data
+        raise ImageError(f"mamba_captum: {name} is not an image Pillow can read ({error}).") from None
+
+
+def _scaled(image, name):
+    """``image`` as Pillow's RGB (8 bits a channel) or F (grey, floats in [0, 1]): each mode at its own scale."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode == "RGB":
+        return image
+    if mode in _CONVERTED:
+        try:
+            return image.convert("RGB")
+        except (ValueError, ImportError, OSError) as error:  # LAB: Pillow >= 9.4 converts it with littlecms
+            raise ImageError(f"mamba_captum: {name} has Pillow mode {mode!r}, which this Pillow cannot convert to "
+                             f"RGB ({error}); convert it to RGB yourself (e.g. with PIL.ImageCms) and pass the "
+                             "PIL image.") from None
+    if mode in _WITH_ALPHA:  # premultiplied modes to straight alpha first: Pillow converts those to RGBA
+        rgba = np.asarray(image.convert(_WITH_ALPHA[mode]).convert("RGBA"), dtype=np.uint32)
+        colour, alpha = rgba[:, :, :3], rgba[:, :, 3:]
+        composited = (colour * alpha + _WHITE * (255 - alpha) + 127) // 255  # rounded to 8 bits
+        return Image.fromarray(composited.astype(np.uint8), "RGB")
+    if mode in _SIXTEEN_BIT:
+        return Image.fromarray(np.asarray(image, dtype=np.float32) / _SIXTEEN_BIT_MAX, "F")
+    if mode == "I":
+        values = np.asarray(image)
+        low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+        if low < 0 or high > _SIXTEEN_BIT_MAX:
+            raise ImageError(f"mamba_captum: {name} has Pillow mode 'I' (32-bit integers) with values from {low} "
+                             f"to {high}; the library reads mode I as 16-bit (0 to 65535, as Pillow reads 16-bit "
+                             "PGM and TIFF files) and Pillow gives no other range: scale it to floats in [0, 1] "
+                             "(mode F) yourself and pass the PIL image.")
+        return Image.fromarray((values / _SIXTEEN_BIT_MAX).astype(np.float32), "F")
+    if mode == "F":
+        values = np.asarray(image, dtype=np.float32)
+        finite = bool(np.isfinite(values).all())
+        if values.size and (not finite or values.min() < 0 or values.max() > 1):
+            found = f"from {values.min():g} to {values.max():g}" if finite else "that are NaN or infinite"
+            raise ImageError(f"mamba_captum: {name} has Pillow mode 'F' (32-bit floats) with values {found}; "
+                             "float images are read as given, in [0, 1]: scale them to [0, 1] first.")
+        return image
+    raise ImageError(f"mamba_captum: {name} has Pillow mode {mode!r}, which the library does not read; convert it "
+                     "to RGB yourself and pass the PIL image.")
+
+
+def _resize_plan(image_size, height, width, crop_pct, name):
+    """The resized (width, height) and the centre crop's box (None: no crop), refused over the pixel budget."""
+    w, h = image_size
+    if w < 1 or h < 1:
+        raise ImageError(f"mamba_captum: {name} has no pixels ({w} × {h}).")
+    if height != width or crop_pct >= 1:
+        resized, crop, how = (width, height), None, f"resizing it to {width} × {height}"
+    else:
+        scale = int(height / crop_pct)
+        resized = (scale, int(scale * h / w)) if w <= h else (int(scale * w / h), scale)
+        top, left = int(round((resized[1] - height) / 2.0)), int(round((resized[0] - width) / 2.0))
+        crop, how = (left, top, left + width, top + height), f"resizing its shorter side to {scale}"
+    if resized[0] * resized[1] > MAX_PIXELS:  # an extreme aspect ratio (1 × 30000) or an extreme size asked for
+        raise ImageError(f"mamba_captum: {name} is {w} × {h} pixels: {how} would make a {resized[0]} × "
+                         f"{resized[1]} image, over the budget of {MAX_PIXELS:,} pixels "
+                         "(mamba_captum.vision.images.MAX_PIXELS); crop it nearer to the model's shape first.")
+    return resized, crop
