@@ -7,7 +7,8 @@ different times, so a fixed share would leave one process waiting), append each 
 own part file (``<output>.part<i>``) as they go, and once every process is done the main process writes the
 output JSONL: every result, in job order, each with its job under ``"job"``. A rerun skips the jobs whose results
 are in the output or in a part file left by an interrupted run (whatever the number of processes then), so an
-interrupted run loses at most the jobs in flight.
+interrupted run loses at most the jobs in flight. A last line its interruption cut off is dropped (with a note);
+any other line that is not a result of the jobs asked for is refused by file and line (:class:`ResumeError`).
 
 Processes are those of ``torch.distributed`` as accelerate sets it up (``PartialState``; gloo on CPU). Without a
 launcher (``WORLD_SIZE`` unset or 1) there is one process and nothing to set up.
@@ -18,13 +19,15 @@ import glob
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 
 class ResumeError(ValueError):
-    """The output (or a part file) holds results of other jobs than the ones asked for now."""
+    """The output (or a part file) holds results of other jobs than the ones asked for now, or a line that is no
+    result (a damaged file); the message names the file and the line."""
 
 
 @dataclass
@@ -56,25 +59,76 @@ def processes(cpu: bool = True) -> Processes:
     return Processes(state.process_index, state.num_processes, state)
 
 
-def _read(path: Path) -> list[dict]:
-    """The complete JSON lines of ``path`` (a line cut off by an interrupted write is dropped)."""
+def _read(path: Path, wanted: set[str], check: Callable[[dict], str | None] | None = None
+          ) -> tuple[list[dict], bool]:
+    """The results in ``path`` and whether its last line was cut off by an interrupted write.
+
+    Each result is one line, written whole with its newline; text after the last newline is a write the interrupted
+    run did not finish: it is dropped (its job runs again), never read as a result. Every complete line must be a
+    JSON object with the ``"job"`` of one of the ``wanted`` jobs (keys of :func:`_key`) and pass ``check``
+    (the result's own fields; it returns what is wrong, or None). Blank lines are skipped.
+
+    Raises:
+        ResumeError: naming the file, the line and what is wrong with it.
+    """
     if not path.exists():
-        return []
+        return [], False
+    *lines, tail = path.read_bytes().split(b"\n")
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # the last line of a killed run
-    return records
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        problem, record = _problem(raw, wanted, check)
+        if problem is not None:
+            raise ResumeError(f"{path}:{number}: {problem}")
+        records.append(record)
+    return records, tail != b""
+
+
+_DAMAGED = "; the file is damaged. Delete it, or start over with --restart (its results are then computed again)."
+
+
+def _json_kind(value) -> str:
+    """The JSON name of a parsed value's type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
+
+
+def _problem(raw: bytes, wanted: set[str], check) -> tuple[str | None, dict | None]:
+    """(what is wrong with one complete line of results, or None; the result)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return f"byte {error.start + 1} of the line is not UTF-8 text" + _DAMAGED, None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        return f"not a JSON line ({error.msg} at column {error.colno})" + _DAMAGED, None
+    if not isinstance(record, dict):
+        return f"a JSON {_json_kind(record)}, not a result object" + _DAMAGED, None
+    if "job" not in record:
+        return "a result without the \"job\" it was computed for" + _DAMAGED, None
+    if not isinstance(record["job"], dict):
+        return f"a result whose \"job\" is a JSON {_json_kind(record['job'])}, not an object" + _DAMAGED, None
+    if _key(record["job"]) not in wanted:
+        return (f"a result of other work than asked for now (job {record['job']!r}); it was written for another "
+                "dataset or with other settings. Choose another output file, delete it, or start over with "
+                "--restart."), None
+    problem = None if check is None else check(record)
+    if problem is not None:
+        return f"the result of job {record['job']!r} {problem}" + _DAMAGED, None
+    return None, record
 
 
 def _drop_cut_line(path: Path) -> None:
     """Remove a last line that an interrupted write cut off, so that appending starts on a line of its own."""
     if path.exists():
-        text = path.read_text(encoding="utf-8")
-        if text and not text.endswith("\n"):
-            path.write_text(text[:text.rfind("\n") + 1], encoding="utf-8")
+        data = path.read_bytes()  # bytes: a write cut inside a character leaves no UTF-8 text
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
 def _parts(output: Path) -> list[Path]:
@@ -94,28 +148,33 @@ def _key(job: dict) -> str:
     return json.dumps(job, sort_keys=True)
 
 
-def done_records(jobs: list[dict], output: Path) -> dict[str, dict]:
+def done_records(jobs: list[dict], output: Path, check: Callable[[dict], str | None] | None = None,
+                 note: Callable[[str], None] | None = None) -> dict[str, dict]:
     """Results already computed for ``jobs`` (in ``output`` and in part files left by an interrupted run), by job.
 
+    ``check(record)``: what is wrong with a result's own fields, or None (see :func:`run_jobs`). ``note``: told, in
+    one line, of each last line that an interrupted write cut off (dropped: its job runs again).
+
     Raises:
-        ResumeError: a result there belongs to no job asked for now (another dataset, other settings).
+        ResumeError: a line there is no result (naming the file and line: not UTF-8, not JSON, not a result object,
+            no job, a result ``check`` refuses), or a result belongs to no job asked for now (another dataset,
+            other settings).
     """
     wanted = {_key(job) for job in jobs}
     done = {}
     for path in [output, *_parts(output)]:
-        for record in _read(path):
-            key = _key(record.get("job"))
-            if key not in wanted:
-                raise ResumeError(
-                    f"{path} holds a result of other work than asked for now (job {record.get('job')!r}); it was "
-                    "written for another dataset or with other settings. Choose another output file, delete it, "
-                    "or start over with --restart.")
-            done[key] = record
+        records, cut = _read(path, wanted, check)
+        if cut and note is not None:
+            note(f"{path}: its last line was cut off by an interrupted write; dropped (that result is computed "
+                 "again).")
+        for record in records:
+            done[_key(record["job"])] = record
     return done
 
 
 def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, group: Processes | None = None,
-             restart: bool = False, progress: str | None = None) -> list[dict] | None:
+             restart: bool = False, progress: str | None = None,
+             check: Callable[[dict], str | None] | None = None) -> list[dict] | None:
     """Do ``work(job)`` for every job not done yet, this process's share of them, and gather every result.
 
     Args:
@@ -125,6 +184,8 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
         group: the processes sharing the work (default: :func:`processes`).
         restart: ignore (and remove) results of an earlier run.
         progress: a progress bar's label on the main process (None: no bar).
+        check: ``check(record)`` -> what is wrong with a result read back from an earlier run (e.g. "has no
+            'rows'"), or None; a result refused raises :class:`ResumeError` naming its file and line.
     Returns:
         every job's result, in job order, on the main process; None on the others.
     """
@@ -141,7 +202,9 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
         if group.count > 1:
             claims.mkdir(parents=True)
     group.wait()
-    done = done_records(jobs, output)
+    # a cut last line is noted once, by the main process, on stderr (where the progress bar is)
+    done = done_records(jobs, output, check, note=(lambda line: print(f"mamba-captum: {line}", file=sys.stderr))
+                        if group.main else None)
     group.wait()  # every process has read the earlier results before any writes
     pending = [job for job in jobs if _key(job) not in done]
     part = output.with_name(f"{output.name}.part{group.index}")
@@ -171,7 +234,7 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
     group.wait()
     records = None
     if group.main:
-        done = done_records(jobs, output)
+        done = done_records(jobs, output)  # the earlier results were checked above; this run's are its own
         records = [done[key] for key in keys]
         staged = output.with_name(output.name + ".tmp")
         staged.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")

@@ -122,6 +122,29 @@ def test_bad_arguments_raise_clear_errors(mamba):
                                                              num_attention_heads=2, intermediate_size=32)))
 
 
+@pytest.mark.parametrize("method", [*METHODS, mc.MambaSelectionAttribution, mc.MambaLRP])
+def test_targets_follow_captums_rule(mamba, method):
+    """Captum's _select_targets: an int, a 1-tuple or a one-element tensor is one class for all; a list or a 1-D
+    tensor is one class per example, exactly B of them: a list of one is not broadcast to a batch of two."""
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+    explainer = method(mamba)
+    for target in ([1], [], [1, 2, 3]):
+        with pytest.raises(ValueError, match=rf"^mamba_captum: {len(target)} targets for a batch of 2 examples: a "
+                                             "target list gives one per example, so it must have 2"):
+            explainer.attribute(ids, target=target)
+    for target in (torch.tensor([[1], [2]]), torch.tensor([[1, 2]]), torch.tensor([1, 2, 3])):
+        with pytest.raises(ValueError, match=rf"{target.numel()} targets \(a tensor of shape "
+                                             rf"\({', '.join(map(str, target.shape))},?\)\) for a batch of 2"):
+            explainer.attribute(ids, target=target)
+    with pytest.raises(TypeError, match="a tuple target holds one class index"):
+        explainer.attribute(ids, target=([1, 2],))
+    same = explainer.attribute(ids, target=1)
+    for target in ((1,), torch.tensor(1), torch.tensor([1]), torch.tensor([[1]]), [1, 1], [(1,), (1,)],
+                   torch.tensor([1, 1])):
+        assert torch.equal(explainer.attribute(ids, target=target), same)
+    assert torch.allclose(explainer.attribute(ids[:1], target=[1]), same[:1], **TOL)  # one for one example
+
+
 def test_no_side_effects_after_success_errors_and_a_failing_forward(mamba):
     before = model_state(mamba)
     ids = torch.randint(3, VOCAB, (2, 6))

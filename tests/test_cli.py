@@ -392,7 +392,7 @@ def broken(tmp_path_factory):
     (["matrices", "--model", DEMO, "--text", "the plot was good", "--scale", "1000", "--out-dir", "{tmp}/maps"],
      "5 tokens at --scale 1000 make maps 5000 pixels a side; the most is 4096: use --scale 819 or less"),
     (["matrices", "--model", DEMO, "--text", "x", "--scale", "0", "--out-dir", "{tmp}/maps"],
-     "--scale must be at least 1, not 0"),
+     "argument --scale: must be at least 1, not 0"),
     # words the vocabulary does not hold read as its unknown token: refused, not explained as [UNK]
     (["explain", "--model", "{no_label_words}", "--text", "the plot", "--target", "zebra"],
      "target 'zebra' is not in the tokenizer's vocabulary (it reads as the unknown token '[UNK]')"),
@@ -594,10 +594,25 @@ def test_explain_a_sequence_classifier_checkpoint(classifier_dir, tmp_path, caps
         in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args", [["matrices", "--model", DEMO, "--text", "x", "--scale", "0"],
+                                  ["matrices", "--model", DEMO, "--text", "x", "--scale", "-3"],
+                                  ["explain", "--model", "vim.pth", "--image", "a.png", "--img-size", "0"],
+                                  ["explain", "--model", "vim.pth", "--image", "a.png", "--img-size", "-224"]])
+def test_counts_and_sizes_below_one_are_refused_before_anything_is_written(args, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where --out-dir (default matrices/) would go
+    code, out, err = run_main(capsys, *args, *(["--out-dir", tmp_path / "maps"] if args[0] == "matrices" else []))
+    assert code == 2 and one_error_line(err) == f"mamba-captum {args[0]}: error: argument {args[-2]}: must be at " \
+                                                f"least 1, not {int(args[-1])}."
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("args, message", [
     (["--family", "nosuch"], "invalid choice: 'nosuch'"),
     (["--task", "needle", "nosuch"], "invalid choice: 'nosuch'"),
     (["--family", "rwkv", "--task", "bbc_news"], "no shipped classifier for --family rwkv --task bbc_news"),
+    (["--family", "mamba", "--task", "counting", "--examples", "0"], "argument --examples: must be at least 1, not 0"),
+    (["--family", "mamba", "--task", "counting", "--examples", "-3"],
+     "argument --examples: must be at least 1, not -3"),
 ])
 def test_evaluate_refuses_unknown_models_and_writes_nothing(args, message, tmp_path, capsys):
     doc, assets = tmp_path / "faithfulness.md", tmp_path / "assets"

@@ -52,6 +52,55 @@ def test_jobs_are_gathered_in_order_and_an_interrupted_run_is_resumed(tmp_path):
         run_jobs(jobs(2) * 2, lambda job: {}, tmp_path / "twice.jsonl")
 
 
+# a damaged line of an earlier run's part file (after a good first line): (its bytes, what the error says)
+DAMAGED_LINES = [
+    (b"\xff\xfe{}", "byte 1 of the line is not UTF-8 text"),
+    (b"42", "a JSON number, not a result object"),
+    (b"[1, 2]", "a JSON array, not a result object"),
+    (b'{"value": 1, "job": {"li', "not a JSON line"),  # cut, but a later line follows: not an interrupted write
+    (b'{"value": 10}', 'a result without the "job" it was computed for'),
+    (b'{"value": 10, "job": "line 1"}', 'a result whose "job" is a JSON string, not an object'),
+    (b'{"value": 10, "job": {"line": 1, "text": "other text"}}', "a result of other work than asked for now"),
+    (b'{"job": {"line": 1, "text": "text 1"}}', "the result of job {'line': 1, 'text': 'text 1'} has no 'value'"),
+]
+
+
+@pytest.mark.parametrize("line, message", DAMAGED_LINES, ids=[m for _, m in DAMAGED_LINES])
+def test_a_damaged_line_of_an_earlier_run_is_refused_by_file_and_line(tmp_path, line, message):
+    output = tmp_path / "out.jsonl"
+    part = tmp_path / "out.jsonl.part0"
+    good = json.dumps({"value": 0, "job": jobs(1)[0]}).encode()
+    part.write_bytes(good + b"\n" + line + b"\n" + good + b"\n")
+    before = part.read_bytes()
+
+    def check(record):
+        return None if "value" in record else "has no 'value'"
+
+    with pytest.raises(ResumeError) as refused:
+        run_jobs(jobs(3), lambda job: pytest.fail("computed"), output, check=check)
+    assert str(refused.value).startswith(f"{part}:2: {message}") and "--restart" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert part.read_bytes() == before and not output.exists()  # nothing changed, nothing written
+    # --restart starts over
+    assert run_jobs(jobs(3), lambda job: {"value": job["line"]}, output, restart=True, check=check)[2]["value"] == 2
+
+
+@pytest.mark.parametrize("tail", [b'{"value": 20, "job": {"line": 2, "text": "text 2"}}', b'{"text": "\xc3'],
+                         ids=["complete JSON without its newline", "cut inside a UTF-8 character"])
+def test_a_last_line_cut_by_an_interrupted_write_is_dropped_with_a_note(tmp_path, capsys, tail):
+    output = tmp_path / "out.jsonl"
+    part = tmp_path / "out.jsonl.part0"
+    part.write_bytes(b"".join(json.dumps({"value": i * 10, "job": job}).encode() + b"\n\n"  # blank lines skipped
+                              for i, job in enumerate(jobs(2))) + tail)
+    done = []
+    records = run_jobs(jobs(3), lambda job: done.append(job["line"]) or {"value": job["line"] * 10}, output)
+    assert done == [2]  # the cut line's job is computed again, the two whole lines are not
+    assert records == [{"value": i * 10, "job": job} for i, job in enumerate(jobs(3))]
+    note = capsys.readouterr().err.strip()
+    assert note == f"mamba-captum: {part}: its last line was cut off by an interrupted write; dropped (that result " \
+                   "is computed again)."
+
+
 def test_processes_take_the_jobs_no_other_process_claimed(tmp_path):
     """Process 1 of 2 (its peer's waits stubbed) after its peer claimed pending jobs 0 and 2: it does the others
     and claims them; the main process gathers."""
@@ -100,6 +149,30 @@ def test_the_explain_command_resumes_a_dataset(tmp_path, capsys, monkeypatch):
     # other settings over the same output: refused in one line, nothing recomputed
     assert cli.main([*arguments[:-1], "raw"]) == 2
     assert "other settings" in capsys.readouterr().err and resumed.read_text() == fresh.read_text()
+
+
+def test_the_explain_command_refuses_a_damaged_result_by_line(tmp_path, capsys):
+    texts = [s.text for s in grammar.sentences(2, seed=5)]
+    dataset = tmp_path / "texts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    jsonl = tmp_path / "out.jsonl"
+    arguments = ["explain", "--model", DEMO, "--dataset", str(dataset), "--jsonl", str(jsonl), "--method", "raw"]
+    # the lines an earlier run wrote (as Explanation.to_dict writes them), for the jobs of this command
+    first, second = [dict(text=text, tokens=["[CLS]", "the", "plot"], prediction="good", probability=0.7,
+                          target="good", target_probability=0.7, relevance={"raw": [0.2, 0.3, 0.5]}, settings={},
+                          job=dict(line=line, text=text, target=None, methods=["raw"], formulation="unified",
+                                   labels=None)) for line, text in enumerate(texts, 1)]
+    for damaged, message in [({**second, "relevance": {"raw": [0.5]}}, "has 1 raw scores for 3 tokens"),
+                             ({k: v for k, v in second.items() if k != "tokens"}, "has no 'tokens'"),
+                             ({**second, "probability": "high"}, "has a 'probability' that is not a number"),
+                             ({**second, "text": "another text"}, "explains another text than its job's")]:
+        jsonl.write_text(json.dumps(first) + "\n" + json.dumps(damaged) + "\n")
+        capsys.readouterr()
+        assert cli.main(arguments) == 2
+        error = capsys.readouterr().err.strip()
+        assert error.startswith(f"mamba-captum explain: error: {jsonl}:2: the result of job ") and message in error
+        assert "--restart" in error and "\n" not in error
+        assert jsonl.read_text() == json.dumps(first) + "\n" + json.dumps(damaged) + "\n"  # left as it was
 
 
 def free_port() -> int:

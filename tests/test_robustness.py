@@ -362,6 +362,36 @@ def test_bad_inputs_are_refused_by_the_captum_classes(mamba, name, arguments, er
     assert_globals_restored()
 
 
+# token ids a forward_func hands the model unchanged: refused before its forward pass, as without a forward_func
+FORWARD_FUNC_INPUTS = [
+    ("empty batch", lambda ids: ids[:0], ValueError, r"^mamba_captum: the inputs hold no examples \(batch size 0\)\.$"),
+    ("ids outside the vocabulary", lambda ids: ids + VOCAB, ValueError,
+     r"input_ids hold token id \d+, outside the model's vocabulary \(0..63\)"),
+    ("negative ids", lambda ids: ids - VOCAB, ValueError,
+     r"input_ids hold token id -\d+, outside the model's vocabulary"),
+    ("int16 ids", lambda ids: ids.short(), TypeError, r"input_ids are torch.int16; token ids must be torch.long"),
+    ("bool ids", lambda ids: ids > 5, TypeError, "input_ids must hold integer token ids, not torch.bool"),
+]
+
+
+@pytest.mark.parametrize("family", ["mamba", "rwkv"])
+@pytest.mark.parametrize("name,inputs,error,message", FORWARD_FUNC_INPUTS, ids=[c[0] for c in FORWARD_FUNC_INPUTS])
+def test_bad_inputs_are_refused_through_a_forward_func_too(family, name, inputs, error, message):
+    model = make_model(family, seed=1)
+    before = model_state(model)
+
+    def forward_func(ids, attention_mask=None):
+        return model(ids, attention_mask=attention_mask).logits[:, -1]
+
+    ids = inputs(torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)))
+    methods = [mc.MambaAttribution, mc.MambaRollout, mc.MambaRawAttention, mc.MambaSelectionAttribution, mc.MambaLRP]
+    for method in methods + ([mc.RWKVAttribution] if family == "rwkv" else []):
+        with pytest.raises(error, match=message):
+            method(model, forward_func=forward_func).attribute(ids, target=1)
+    assert_untouched(model, before)
+    assert_globals_restored()
+
+
 def test_float_and_bool_positions_and_start_layers_are_refused(mamba):
     ids = torch.randint(3, VOCAB, (2, 6))
     explainer = mc.MambaAttribution(mamba)

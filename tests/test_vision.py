@@ -109,6 +109,26 @@ def test_missing_unexpected_and_mismatched_keys_are_named():
     assert "layers.0.mixer.out_proj.weight (12, 23) (model: (12, 24))" in message
 
 
+def test_weights_that_are_not_floating_point_are_named_not_cast():
+    state = make_vim().state_dict()
+    assert all(value.is_floating_point() for value in state.values())  # a Vim has no integer buffers
+    quantized = {key: (value * 100).to(torch.int8) for key, value in state.items()}
+    with pytest.raises(ValueError) as refused:
+        load_vim(quantized, img_size=32)
+    first = ", ".join(f"{key} (int8)" for key in list(state)[:4])
+    assert str(refused.value).startswith(f"mamba_captum: the checkpoint holds {len(state)} tensors that are not "
+                                         f"floating point: {first} and {len(state) - 4} more. A Vim's weights are "
+                                         "all float")
+    assert "not a Vim model checkpoint, or a quantized one" in str(refused.value)
+    # one integer weight among float ones: load_state_dict would cast it into the float parameter without a word
+    state["layers.1.mixer.in_proj.weight"] = state["layers.1.mixer.in_proj.weight"].round().long()
+    with pytest.raises(ValueError, match=r"holds 1 tensor that is not floating point: "
+                                         r"layers.1.mixer.in_proj.weight \(int64\)\. A Vim's"):
+        load_vim(state, img_size=32)
+    with pytest.raises(ValueError, match="dtype=torch.int8; a Vim computes in a floating-point dtype"):
+        load_vim(make_vim().state_dict(), img_size=32, dtype=torch.int8)
+
+
 def test_an_image_size_that_cannot_hold_the_grid_is_refused():
     state = make_vim().state_dict()  # a 4×4 grid of 8-pixel patches: 10-pixel images hold at most 3×3
     with pytest.raises(ValueError, match="no stride without gaps gives 16 patches"):
@@ -499,6 +519,9 @@ def test_a_forward_func_that_resizes_pixels_is_refused():
     with pytest.raises(ValueError, match="resizes or reshapes"):
         mc.MambaAttribution(model, forward_func=upsample).attribute(torch.randn(1, 3, 16, 16), target=0)
     normalising = lambda x: model((x - 0.5) / 0.25)  # noqa: E731 (the same pixels, normalised: explained)
+    for method in (mc.MambaRollout, mc.MambaAttribution):  # no images: refused as without a forward_func
+        with pytest.raises(ValueError, match=r"the pixel values hold no images \(batch size 0\)"):
+            method(model, forward_func=normalising).attribute(pixels()[:0], target=0)
     assert mc.MambaRollout(model, forward_func=normalising).attribute(pixels()).shape == (2, 1, 32, 32)
 
 

@@ -84,6 +84,16 @@ def test_a_model_path_that_is_not_a_checkpoint_is_one_line(files, capsys):
     assert code == 2 and "weights-only" in one_error_line(err)
 
 
+def test_a_checkpoint_of_integer_weights_is_one_line(files, capsys, tmp_path):
+    folder, model = files
+    path = tmp_path / "int8.pth"
+    torch.save({"model": {k: v.to(torch.int8) for k, v in model.state_dict().items()}}, path)
+    code, _, err = run_main(capsys, "explain", "--model", path, "--img-size", 32, "--image", folder / "a.png")
+    count = len(model.state_dict())
+    assert code == 2 and f"holds {count} tensors that are not floating point: cls_token (int8)" in one_error_line(err)
+    assert "quantized" in err and "Traceback" not in err
+
+
 def test_overlay_colours_the_relevance():
     image = torch.full((2, 2, 3), 0.5, dtype=torch.float64)
     relevance = torch.tensor([[1.0, -1.0], [0.0, 0.5]])

@@ -37,6 +37,36 @@ def format_inputs(inputs, image_model: bool = False):
     return inputs, was_tuple
 
 
+def check_forward_func_inputs(model, inputs: torch.Tensor) -> None:
+    """The inputs of a ``forward_func``, checked as :func:`mamba_captum.checks.check_inputs` checks the model's own,
+    but for what a forward_func may do itself: move them to the model's device, project embeddings to its width.
+    Token ids must be ids of the model's vocabulary, in a dtype its embeddings take: the relevance is laid over
+    them, and the model's embeddings must see them as given (checked after the forward pass).
+
+    Raises:
+        ValueError / TypeError naming the problem and the fix, instead of an error from inside the forward pass.
+    """
+    if inputs.shape[0] == 0:
+        raise ValueError("mamba_captum: the inputs hold no examples (batch size 0).")
+    if inputs.is_floating_point():
+        return
+    if inputs.is_complex() or inputs.dtype == torch.bool:
+        raise TypeError(f"mamba_captum: input_ids must hold integer token ids, not {inputs.dtype}; pass embeddings "
+                        "(B, L, D) as float inputs.")
+    if inputs.dtype not in (torch.int64, torch.int32):  # what embedding lookups take
+        raise TypeError(f"mamba_captum: input_ids are {inputs.dtype}; token ids must be torch.long (or int32): pass "
+                        "input_ids.long().")
+    if inputs.is_meta:
+        raise ValueError("mamba_captum: input_ids are on the meta device, which holds no data; pass real token ids.")
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    vocabulary = getattr(embeddings, "num_embeddings", None)
+    if vocabulary is not None:
+        low, high = int(inputs.min()), int(inputs.max())
+        if low < 0 or high >= vocabulary:
+            raise ValueError(f"mamba_captum: input_ids hold token id {low if low < 0 else high}, outside the model's "
+                             f"vocabulary (0..{vocabulary - 1}); were they made by another tokenizer?")
+
+
 def format_mask(attention_mask, inputs) -> torch.Tensor:
     """The checked mask (:func:`mamba_captum.checks.check_mask`) as float32 (B, L); all ones when None."""
     batch, length = inputs.shape[:2]
@@ -73,8 +103,10 @@ def format_positions(position, mask: torch.Tensor) -> torch.Tensor:
 def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
     """Captum's target forms for (B, K) scores -> (B,) class indices; None -> the argmax of each example.
 
-    int or 0-d tensor: the same class for all; a 1-tuple (c,): the same; a list of ints / 1-tuples or a 1-D tensor
-    of length B: one per example.
+    As Captum's ``_select_targets`` reads them: an int, a 1-tuple ``(c,)`` or a one-element tensor: the same class
+    for every example; a list (of ints or 1-tuples) or a 1-D tensor: one per example, exactly B of them. A list is
+    never broadcast: ``target=[c]`` for a batch of 2 is refused, as Captum refuses it (``target=c`` is one class
+    for all).
     """
     batch, classes = scores.shape
     if target is None:
@@ -83,23 +115,34 @@ def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
         if len(target) != 1:
             raise IndexError(f"mamba_captum: target={target} indexes {len(target)} output dimensions; "
                              f"the explained scores are (B, K) = {tuple(scores.shape)}: give one class index.")
+        if not is_int(target[0]):
+            raise TypeError(f"mamba_captum: target={target!r}: a tuple target holds one class index, the same for "
+                            "every example; give one per example as a list or a 1-D tensor.")
         target = target[0]
     if isinstance(target, list):
+        if len(target) != batch:
+            raise ValueError(f"mamba_captum: {len(target)} targets for a batch of {batch} examples: a target list "
+                             f"gives one per example, so it must have {batch} (as in Captum); one class for every "
+                             "example is an int, not a list.")
         target = [t[0] if isinstance(t, tuple) and len(t) == 1 else t for t in target]
-        if not all(is_int(t) or (torch.is_tensor(t) and t.numel() == 1) for t in target):
-            raise TypeError(f"mamba_captum: target list must hold one int per example, got {target}.")
-    try:
-        targets = torch.as_tensor(target, device=scores.device)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise TypeError(f"mamba_captum: target={target!r} is not an int, a tuple, a list or a tensor.") from error
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"mamba_captum: target must hold integer class indices, got dtype {targets.dtype}.")
-    targets = targets.reshape(-1).long()
-    if targets.numel() == 1:
-        targets = targets.expand(batch)
-    elif targets.numel() != batch:
-        raise ValueError(f"mamba_captum: {targets.numel()} targets for a batch of {batch} examples; give one "
-                         "target for all or one per example.")
+        if not all(is_int(t) or (torch.is_tensor(t) and t.numel() == 1 and not t.is_floating_point()
+                                 and not t.is_complex() and t.dtype != torch.bool) for t in target):
+            raise TypeError(f"mamba_captum: target list must hold one integer class index per example, got "
+                            f"{target}.")
+        targets = torch.tensor([int(t) for t in target], dtype=torch.long, device=scores.device)
+    else:
+        try:
+            targets = torch.as_tensor(target, device=scores.device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"mamba_captum: target={target!r} is not an int, a tuple, a list or a tensor.") \
+                from error
+        if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+            raise TypeError(f"mamba_captum: target must hold integer class indices, got dtype {targets.dtype}.")
+        if targets.numel() != 1 and (targets.dim() != 1 or targets.numel() != batch):
+            raise ValueError(f"mamba_captum: {targets.numel()} targets (a tensor of shape {tuple(targets.shape)}) "
+                             f"for a batch of {batch} examples; give one class for all (one element) or one per "
+                             f"example, shape ({batch},), as in Captum.")
+        targets = targets.reshape(-1).long().expand(batch)
     if bool(((targets < -classes) | (targets >= classes)).any()):
         raise IndexError(f"mamba_captum: target {targets.tolist()} out of range: the explained output has "
                          f"{classes} classes (indices 0..{classes - 1}).")

@@ -20,7 +20,7 @@ from ..layout import (PackedPatches, check_packed, check_pixels, packed_tower, r
                       vision_layout)
 from ..rebuild import captured_forward, kept_components, rebuilt_operators
 from ._gradient import score_gradients
-from ._inputs import format_mask, format_positions, format_targets
+from ._inputs import check_forward_func_inputs, format_mask, format_positions, format_targets
 from ._rollout import Query
 
 
@@ -260,9 +260,11 @@ class Runner:
         elif self.layout is not None:
             mask, positions = self._image_query(inputs, attention_mask, position)
         else:
-            if self.forward_func is None:  # a forward_func may take other inputs: it checks its own
+            if self.forward_func is None:
                 check_inputs(self.model, None if inputs.is_floating_point() else inputs,
                              inputs if inputs.is_floating_point() else None)
+            else:  # the same checks, but for the device and the width, which a forward_func may change
+                check_forward_func_inputs(self.model, inputs)
             mask = format_mask(attention_mask, inputs)
             if position is not None and self.is_classifier:
                 raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
@@ -379,6 +381,8 @@ class Runner:
                 f"mamba_captum: the inputs are {tuple(inputs.shape)}, the model's images "
                 f"{tuple(self.layout.img_size)}: the relevance is laid over the model's image, so a forward_func "
                 "that resizes or reshapes the pixels would misplace it. Pass images of the model's size.")
+        elif inputs.shape[0] == 0:
+            raise ValueError("mamba_captum: the pixel values hold no images (batch size 0).")
         refuse_attention_mask(attention_mask)
         if position is not None:
             raise ValueError("mamba_captum: position= does not apply to an image classifier, whose head reads its "

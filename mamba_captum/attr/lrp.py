@@ -33,7 +33,7 @@ from ..lrp_forward import LRPForward
 from ..offload import is_dispatched
 from ..session import session
 from ._gradient import scaled_grad
-from ._inputs import format_inputs, format_mask, format_positions, format_targets
+from ._inputs import check_forward_func_inputs, format_inputs, format_mask, format_positions, format_targets
 from ._runner import Runner
 
 
@@ -187,6 +187,8 @@ class MambaLRP(GradientAttribution):
                 check_inputs(self.model, None if inputs.is_floating_point() else inputs,
                              inputs if inputs.is_floating_point() else None)
                 check_forward_devices(kwargs, inputs.device, self.model)
+            else:  # the same checks, but for the device and the width, which a forward_func may change
+                check_forward_func_inputs(self.model, inputs)
             mask = format_mask(attention_mask, inputs)
             if position is not None and runner.is_classifier:
                 raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..evaluation.arguments import positive_int
 from ..explain import DTYPES, METHODS
 
 # The largest side of a `matrices` PNG: 4096² RGB pixels are 48 MiB in memory and seconds to encode; a bigger map
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
             source.add_argument("--dataset", type=Path, help='a JSONL file, one {"text": ..., "target": ...} a line')
             source.add_argument("--image", action="append", type=Path,
                                 help="an image file (PNG, JPEG, ...) to explain with a Vim checkpoint (repeatable)")
-            sub.add_argument("--img-size", type=int, default=None,
+            sub.add_argument("--img-size", type=positive_int, default=None,
                              help="with --image: the Vim's training image size, if not 224")
             sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
             sub.add_argument("--jsonl", type=Path, default=None,
@@ -80,6 +81,6 @@ def build_parser() -> argparse.ArgumentParser:
             _common(sub)
             sub.add_argument("--text", required=True)
             sub.add_argument("--out-dir", type=Path, default=Path("matrices"))
-            sub.add_argument("--scale", type=int, default=8,
+            sub.add_argument("--scale", type=positive_int, default=8,
                              help=f"pixels per map entry (default 8; a map is at most {MAX_MAP_PIXELS} pixels a side)")
     return parser

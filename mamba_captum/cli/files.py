@@ -1,11 +1,23 @@
-"""The files a command reads and writes: outputs checked writable and a JSONL dataset read and checked before any model
-work, and the HTML report written at the end."""
+"""The files a command reads and writes: outputs checked against the inputs (no output replaces an input, a file of
+the checkpoint folder or another output) and checked writable, and a JSONL dataset read and checked, before any model
+work; the HTML report written at the end, whole or not at all (:mod:`mamba_captum.files`)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from ..explain import UsageError
+from ..files import FileClashError, check_folder_writable, check_outputs, write_atomically
+
+
+def check_paths(outputs, inputs, folders=()) -> None:
+    """:func:`mamba_captum.files.check_outputs` (the options' (name, path) pairs), its refusal as a
+    :class:`UsageError`; called before anything is written or loaded."""
+    try:
+        check_outputs(outputs, inputs, folders)
+    except FileClashError as error:
+        raise UsageError(str(error)) from None
 
 
 def writable_file(path: Path) -> Path:
@@ -20,17 +32,18 @@ def writable_file(path: Path) -> Path:
             pass
         if not existed:
             path.unlink()
+        real = Path(os.path.realpath(path))
+        if real.is_file() or not real.exists():  # replaced by a temporary beside it, which must be creatable
+            check_folder_writable(real.parent)
     except OSError as error:
         raise UsageError(f"cannot write {str(path)!r}: {error.strerror or error}.") from None
     return path
 
 
 def writable_dir(path: Path) -> Path:
+    """Create an output folder and check a file can be written in it, before any model work."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".mamba-captum-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
+        check_folder_writable(path)
     except OSError as error:
         raise UsageError(f"cannot write into {str(path)!r}: {error.strerror or error}.") from None
     return path
@@ -63,20 +76,8 @@ def read_dataset(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
-def distinct_files(named: dict) -> None:
-    """Refuse two options naming one file: an output would overwrite the dataset being read, or the other output."""
-    seen = {}
-    for option, path in named.items():
-        if path is None:
-            continue
-        key = path.resolve()
-        if key in seen:
-            raise UsageError(f"{seen[key]} and {option} both name {str(path)!r}; give them different files.")
-        seen[key] = option
-
-
 def write_report(explanations, out: Path, title: str):
     from ..html_report import render_html
 
-    out.write_text(render_html(explanations, title=title), encoding="utf-8")
+    write_atomically(out, render_html(explanations, title=title))
     print(f"report: {out}")

@@ -5,13 +5,18 @@ import json
 from pathlib import Path
 
 from ..explain import UsageError
-from .files import writable_file
+from ..files import write_atomically
+from .files import check_paths, writable_file
 
 
 def explain_images_command(args):
     from ..html_report import render_image_html
     from ..explain.images import explain_images, load_vim_file
 
+    # no output may replace the checkpoint, an image or the other output
+    check_paths([("--jsonl", args.jsonl), ("--out", args.out)],
+                [("--model", args.model), *(("--image", image) for image in args.image)],
+                [("--offload-folder", args.offload_folder, ())])
     for path in (args.jsonl, args.out):
         if path is not None:
             writable_file(path)
@@ -35,11 +40,10 @@ def explain_images_command(args):
         print(f"{item.path}: class {item.prediction} (p = {item.probability:.3f}); explained: {item.target}; "
               "most relevant pixel (row, column): " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
     if args.jsonl is not None:
-        args.jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+        write_atomically(args.jsonl, "".join(json.dumps(item.to_dict()) + "\n" for item in explanations))
         print(f"results: {args.jsonl} ({len(explanations)} lines)")
     if args.out is not None:
-        args.out.write_text(render_image_html(explanations, title=f"mamba-captum: {Path(args.model).name}"),
-                            encoding="utf-8")
+        write_atomically(args.out, render_image_html(explanations, title=f"mamba-captum: {Path(args.model).name}"))
         print(f"report: {args.out}")
 
 

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from ..explain import UsageError
+from ..files import write_atomically
 from .arguments import MAX_MAP_PIXELS
-from .files import distinct_files, read_dataset, writable_dir, writable_file, write_report
+from .files import check_paths, read_dataset, writable_dir, writable_file, write_report
 from .images import explain_images_command
 from .loading import load_model
 
@@ -40,6 +41,8 @@ def demo_command(args):
     from ..demo import DEMO_TEXTS, grammar, model_dir
     from ..explain import explain
 
+    check_paths([("--out", args.out)], [("the demo model", model_dir())],
+                [("--offload-folder", args.offload_folder, ())])
     writable_file(args.out)
     model, tokenizer = load_model(args, model_dir())
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
@@ -58,7 +61,9 @@ def explain_command(args):
     # read before anything is written: --jsonl naming the dataset would otherwise empty it
     rows = read_dataset(args.dataset) if args.dataset else None
     jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
-    distinct_files({"--dataset": args.dataset, "--jsonl": jsonl, "--out": args.out})
+    # no output may replace the dataset, a file of the checkpoint folder or the other output
+    check_paths([("--jsonl", jsonl), ("--out", args.out)], [("--model", args.model), ("--dataset", args.dataset)],
+                [("--offload-folder", args.offload_folder, ())])
     for path in (jsonl, args.out):
         if path is not None:
             writable_file(path)
@@ -79,7 +84,7 @@ def explain_command(args):
         explanations = explain(model, tokenizer, args.text, target=args.target, **options)
         _print_summary(explanations)
         if jsonl is not None:
-            jsonl.write_text("".join(json.dumps(item.to_dict()) + "\n" for item in explanations), encoding="utf-8")
+            write_atomically(jsonl, "".join(json.dumps(item.to_dict()) + "\n" for item in explanations))
             print(f"results: {jsonl} ({len(explanations)} lines)")
     else:
         from ..explain import Explanation
@@ -103,7 +108,8 @@ def explain_command(args):
             return item.to_dict()
 
         try:
-            records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining")
+            records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining",
+                               check=explanation_problem)
         except ResumeError as error:
             raise UsageError(str(error)) from None
         if records is None:  # not the main process: the main one writes the report
@@ -115,6 +121,35 @@ def explain_command(args):
         return
     if args.out is not None:
         write_report(explanations, args.out, f"mamba-captum: {Path(args.model).name}")
+
+
+def explanation_problem(record: dict) -> str | None:
+    """What is wrong with an explained line read back from an earlier run (its job already checked), or None: it
+    must hold what :meth:`mamba_captum.explain.Explanation.from_dict` reads, for the job's text."""
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    for key, kind, fits in (("text", "a string", lambda v: isinstance(v, str)),
+                            ("tokens", "a list of strings", lambda v: isinstance(v, list)
+                             and all(isinstance(t, str) for t in v)),
+                            ("prediction", "a string", lambda v: isinstance(v, str)),
+                            ("probability", "a number", number),
+                            ("target", "a string", lambda v: isinstance(v, str)),
+                            ("target_probability", "a number", number),
+                            ("relevance", "an object of lists of numbers", lambda v: isinstance(v, dict) and all(
+                                isinstance(s, list) and all(number(x) for x in s) for s in v.values()))):
+        if key not in record:
+            return f"has no {key!r}"
+        if not fits(record[key]):
+            return f"has a {key!r} that is not {kind}"
+    if record["text"] != record["job"].get("text"):
+        return "explains another text than its job's"
+    lengths = {name: len(scores) for name, scores in record["relevance"].items()
+               if len(scores) != len(record["tokens"])}
+    if lengths:
+        name = next(iter(lengths))
+        return f"has {lengths[name]} {name} scores for {len(record['tokens'])} tokens"
+    return None
 
 
 def _runs_on_cpu(args) -> bool:
@@ -130,11 +165,11 @@ def matrices_command(args):
     from ..explain import encode_text, explain
     from ..html_report import map_png
 
-    if args.scale < 1:
-        raise UsageError(f"--scale must be at least 1, not {args.scale}.")
     if args.scale > MAX_MAP_PIXELS:  # even a one-token text would exceed the largest map
         raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
                          "(tokens × scale); use a smaller --scale.")
+    check_paths([], [("--model", args.model)], [("--out-dir", args.out_dir, ("tokens.json",)),
+                                                ("--offload-folder", args.offload_folder, ())])
     writable_dir(args.out_dir)
     model, tokenizer = load_model(args, args.model)
     length = encode_text(model, tokenizer, args.text).shape[1]
@@ -148,6 +183,6 @@ def matrices_command(args):
     for layer, matrix in item.layer_maps.items():
         # Zamba2's shared attention block has the key "{i}.shared_attention", Inkling's MLP branch "{i}.mlp_sconv"
         name = f"layer_{layer:02d}" if isinstance(layer, int) else f"layer_{str(layer).replace('.', '_')}"
-        (args.out_dir / f"{name}.png").write_bytes(map_png(matrix, args.scale))
-    (args.out_dir / "tokens.json").write_text(json.dumps(item.tokens) + "\n")
+        write_atomically(args.out_dir / f"{name}.png", map_png(matrix, args.scale))
+    write_atomically(args.out_dir / "tokens.json", json.dumps(item.tokens) + "\n")
     print(f"{len(item.layer_maps)} layer maps ({len(item.tokens)} tokens, {args.formulation}) in {args.out_dir}")

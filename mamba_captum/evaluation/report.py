@@ -14,13 +14,16 @@ import sys
 import time
 from pathlib import Path
 
+from ..files import FileClashError, atomic_target, check_outputs, write_atomically
+from .arguments import positive_int
 from .models import FAMILIES, training_record, weights_root
+from .results import LOCALISATION, PERTURBATION, journal_problem, read_results
 from .tasks import TASKS
 
 BEGIN, END = "<!-- generated:begin (python -m mamba_captum.evaluation) -->", "<!-- generated:end -->"
 ACCURACY_BAR = 0.97
-LOCALISATION = ("roc_auc", "precision_at_k", "relevance_mass")
-PERTURBATION = ("auac", "au_mse", "morf_auc", "lerf_auc")
+# what --assets holds after a run (the journal only while one runs)
+ASSET_FILES = ("results.json", "results.partial.jsonl", "roc_auc.png", "curves.png")
 HEADERS = {"roc_auc": "ROC-AUC ↑", "precision_at_k": "P@k ↑", "relevance_mass": "mass ↑", "auac": "AUAC ↑",
            "au_mse": "AU-MSE ↓", "morf_auc": "MoRF ↓", "lerf_auc": "LeRF ↑", "seconds": "time (s)"}
 
@@ -153,7 +156,8 @@ def plots(rows, folder: Path) -> list[str]:
         ax.set_xticks(range(len(models)), [f"{f}\n{t}" for f, t in models], rotation=90, fontsize=7)
         ax.set_yticks(range(len(methods)), methods, fontsize=7)
         fig.colorbar(image, ax=ax, label="localisation ROC-AUC")
-        fig.savefig(folder / "roc_auc.png", dpi=110, bbox_inches="tight")
+        with atomic_target(folder / "roc_auc.png") as temporary:
+            fig.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         names.append("roc_auc.png")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -175,7 +179,8 @@ def plots(rows, folder: Path) -> list[str]:
     axes[1].set(title="MoRF deletion: lower is better", xlabel="fraction of most relevant tokens → [UNK]",
                 ylabel="accuracy")
     axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.savefig(folder / "curves.png", dpi=110, bbox_inches="tight")
+    with atomic_target(folder / "curves.png") as temporary:
+        fig.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     names.append("curves.png")
     return names
@@ -207,7 +212,7 @@ def generated_section(rows, usable, skipped, seconds, command) -> str:
 
 def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, command: str):
     assets.mkdir(parents=True, exist_ok=True)
-    (assets / "results.json").write_text(json.dumps(dict(rows=rows, skipped=skipped), indent=0) + "\n")
+    write_atomically(assets / "results.json", json.dumps(dict(rows=rows, skipped=skipped), indent=0) + "\n")
     plots(rows, assets)
     section = generated_section(rows, usable, skipped, seconds, command)
     text = doc.read_text() if doc.exists() else f"# Faithfulness\n\n{BEGIN}\n{END}\n"
@@ -215,7 +220,7 @@ def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, comman
         raise ValueError(f"mamba_captum: {doc} lacks the generated-section markers {BEGIN!r} … {END!r}.")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    doc.write_text(head + section + tail)
+    write_atomically(doc, head + section + tail)
 
 
 def main(argv=None):
@@ -224,7 +229,7 @@ def main(argv=None):
     # choices: an unknown name must not run nothing and then overwrite the committed results with an empty report
     parser.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--task", nargs="+", default=list(TASKS) + ["bbc_news"], choices=list(TASKS) + ["bbc_news"])
-    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--examples", type=positive_int, default=64, help="held-out examples per task (default 64)")
     parser.add_argument("--no-perturbation", action="store_true", help="localisation only (much faster)")
     parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
     parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
@@ -239,8 +244,16 @@ def main(argv=None):
     parser.add_argument("--restart", action="store_true", help="discard the results an interrupted run left in "
                         "ASSETS/results.partial.jsonl instead of resuming from them")
     args = parser.parse_args(argv)
+    try:  # before anything is run or written: no output may replace a shipped model's file or another output
+        check_outputs([("--doc", args.doc)], [("--weights", args.weights or weights_root())],
+                      [("--assets", args.assets, ASSET_FILES)])
+    except FileClashError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.report_only:
-        rows = json.loads((args.assets / "results.json").read_text())["rows"]
+        try:
+            rows = read_results(args.assets / "results.json")
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
         usable, skipped = available_models(FAMILIES, list(TASKS) + ["bbc_news"], args.weights)
         usable = [u for u in usable if any((r["family"], r["task"]) == u[:2] for r in rows)]
         write_report(rows, usable, skipped, sum(r["seconds"] for r in rows), args.doc, args.assets,
@@ -253,6 +266,12 @@ def main(argv=None):
     if not usable:
         parser.exit(2, f"{parser.prog}: error: no shipped classifier for --family {' '.join(args.family)} --task "
                        f"{' '.join(args.task)} (bbc_news has a mamba model only); nothing was run or written.\n")
+    earlier = None  # --update's rows, read before any work: a damaged results.json is refused now, not after it
+    if args.update and (args.assets / "results.json").exists():
+        try:
+            earlier = read_results(args.assets / "results.json")
+        except ValueError as error:
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
     start = time.perf_counter()
     methods = None  # the default: our methods, their ablations and Captum's baselines
     if args.method:
@@ -283,16 +302,16 @@ def main(argv=None):
     args.assets.mkdir(parents=True, exist_ok=True)
     try:
         records = run_jobs(jobs, work, journal, group=processes(cpu=True), restart=args.restart,
-                           progress="evaluating")
+                           progress="evaluating", check=journal_problem)
     except ResumeError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if records is None:  # not the main process: the main one writes the report
         return
     rows = [row for record in records for row in record["rows"]]
-    if args.update and (args.assets / "results.json").exists():
+    if earlier is not None:
         ran = {(family, task) for family, task, _ in usable}
         replaced = {(r["family"], r["task"], r["method"]) for r in rows}
-        kept = [r for r in json.loads((args.assets / "results.json").read_text())["rows"]
+        kept = [r for r in earlier
                 if (r["family"], r["task"]) not in ran
                 or (args.method and (r["family"], r["task"], r["method"]) not in replaced)]
         rows = kept + rows

@@ -9,6 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
+from .arguments import positive_int
 from .models import FAMILIES, save_classifier, train_classifier
 from .tasks import TASKS
 
@@ -18,7 +19,7 @@ def main(argv=None):
     parser.add_argument("--family", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     parser.add_argument("--task", nargs="*", default=list(TASKS), choices=list(TASKS) + ["bbc_news"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=1500)
+    parser.add_argument("--max-steps", type=positive_int, default=1500)
     parser.add_argument("--out", type=Path, default=None, help="folder for the weights (default: the package's)")
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)

@@ -14,7 +14,13 @@ import sys
 import time
 from pathlib import Path
 
+from ..files import FileClashError, check_outputs
+from .arguments import positive_int
+from .models import weights_root
 from .vision_models import VISION_TASKS, save_vim, train_vim
+
+# what --assets holds after a run
+ASSET_FILES = ("images.json", "images_curves.png", "images_examples.png")
 
 
 def main(argv=None):
@@ -22,9 +28,9 @@ def main(argv=None):
                                      description="The image faithfulness suite on tiny Vision Mamba models.")
     parser.add_argument("--train", nargs="+", choices=VISION_TASKS, default=None,
                         help="train and save these models instead of scoring")
-    parser.add_argument("--max-steps", type=int, default=3000)
+    parser.add_argument("--max-steps", type=positive_int, default=3000)
     parser.add_argument("--task", nargs="+", choices=VISION_TASKS, default=list(VISION_TASKS))
-    parser.add_argument("--examples", type=int, default=128, help="held-out images scored per task")
+    parser.add_argument("--examples", type=positive_int, default=128, help="held-out images scored per task")
     parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
     parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
     parser.add_argument("--weights", type=Path, default=None)
@@ -36,6 +42,11 @@ def main(argv=None):
             folder = save_vim(model, record, args.weights)
             print(json.dumps(record), f"-> {folder}", flush=True)
         return
+    try:  # before anything is run or written: no output may replace a shipped model's file or another output
+        check_outputs([("--doc", args.doc)], [("--weights", args.weights or weights_root())],
+                      [("--assets", args.assets, ASSET_FILES)])
+    except FileClashError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     from .vision_compare import evaluate_images, write_image_report
 
     if args.report_only:

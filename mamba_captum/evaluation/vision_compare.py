@@ -28,6 +28,7 @@ from captum.attr import FeatureAblation, InputXGradient, IntegratedGradients, La
 from torch import nn
 
 from .. import MambaAttribution, MambaRawAttention, MambaRollout
+from ..files import atomic_target, write_atomically
 from . import metrics
 from .vision_models import held_out, load_trained_vim
 
@@ -220,7 +221,8 @@ def _plots(results, folder: Path, examples=4) -> list[str]:
         ax.set_xlabel("fraction of pixels zeroed, most relevant first")
         ax.set_ylabel("top-1 accuracy")
     axes[0][-1].legend(fontsize=7, loc="upper right")
-    fig.savefig(folder / "images_curves.png", dpi=110, bbox_inches="tight")
+    with atomic_target(folder / "images_curves.png") as temporary:
+        fig.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     names.append("images_curves.png")
     return names
@@ -258,14 +260,15 @@ def example_figure(folder: Path, weights_root=None, count: int = 4, methods=None
     for ax in axes.flat:
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.savefig(folder / "images_examples.png", dpi=110, bbox_inches="tight")
+    with atomic_target(folder / "images_examples.png") as temporary:
+        fig.savefig(temporary, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
     return "images_examples.png"
 
 
 def write_image_report(results, doc: Path, assets: Path, command: str, weights_root=None):
     assets.mkdir(parents=True, exist_ok=True)
-    (assets / "images.json").write_text(json.dumps(results, indent=0) + "\n")
+    write_atomically(assets / "images.json", json.dumps(results, indent=0) + "\n")
     _plots(results, assets)
     example_figure(assets, weights_root)
     section = "\n".join([
@@ -279,4 +282,4 @@ def write_image_report(results, doc: Path, assets: Path, command: str, weights_r
         raise ValueError(f"mamba_captum: {doc} lacks the image section markers {BEGIN!r} … {END!r}.")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    doc.write_text(head + section + tail)
+    write_atomically(doc, head + section + tail)

@@ -159,6 +159,24 @@ def variant_name(config: dict) -> str | None:
     return None
 
 
+def check_float_weights(state: dict) -> None:
+    """Every tensor of a Vim state dict is a floating-point weight (the model has no integer buffers); an integer,
+    boolean or complex tensor would be cast into a float parameter by ``load_state_dict`` without a word.
+
+    Raises:
+        ValueError: naming the tensors that are not floating point and their dtypes.
+    """
+    other = [f"{key} ({str(value.dtype).removeprefix('torch.')})" for key, value in state.items()
+             if not value.is_floating_point()]
+    if other:
+        raise ValueError(
+            f"mamba_captum: the checkpoint holds {len(other)} tensor{'s' if len(other) > 1 else ''} that "
+            f"{'are' if len(other) > 1 else 'is'} not floating point: {', '.join(other[:4])}"
+            f"{f' and {len(other) - 4} more' if len(other) > 4 else ''}. A Vim's weights are all float (float32 in "
+            "the released checkpoints): this is not a Vim model checkpoint, or a quantized one; dequantize it to "
+            "float first.")
+
+
 def load_state_dict_strictly(model: VisionMamba, state: dict) -> None:
     """``model.load_state_dict(state)`` with an error that names every missing and unexpected key and every shape
     that differs."""
@@ -188,13 +206,19 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
         **overrides: :class:`VisionMamba` arguments the weights cannot tell, e.g. ``cls_position="first"``.
 
     Raises:
-        ValueError: naming every missing or unexpected key and shape mismatch (or why the file is not a checkpoint).
+        ValueError: naming every missing or unexpected key and shape mismatch, the tensors that are not floating
+            point (integer weights: not a model checkpoint, or a quantized one), a dtype that is not floating point
+            (or why the file is not a checkpoint).
     """
     if isinstance(checkpoint, (str, os.PathLike)):
         state = read_checkpoint(checkpoint)
     else:
         state = _state_dict_of(checkpoint, "the given dict")
     config = {**detect_config(state, img_size, overrides.get("stride")), **overrides}
+    check_float_weights(state)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"mamba_captum: dtype={dtype!r}; a Vim computes in a floating-point dtype (torch.float32, "
+                         "torch.float16, torch.bfloat16 or torch.float64).")
     if float(config["expand"]).is_integer():
         config["expand"] = int(config["expand"])
     model = VisionMamba(**config)

@@ -1,0 +1,114 @@
+"""The rows of the faithfulness comparison read back from disk: the journal an interrupted run left
+(``ASSETS/results.partial.jsonl`` and its part files, resumed by :func:`mamba_captum.parallel.run_jobs`) and
+``results.json`` (``--report-only``, ``--update``). A row that the report cannot use (a damaged or hand-edited
+file) is refused by name here instead of failing deep inside the tables, or, worse, scoring a model on a row of
+another one.
+
+A row, as :func:`mamba_captum.evaluation.compare.evaluate` makes it: ``family``, ``task``, ``method``, ``group``
+(strings), ``seconds`` and, if there, ``held_out_accuracy`` (numbers); the localisation scores (numbers) for every
+task but ``bbc_news``, which has no planted truth; with perturbation, and for every group but the ablations, the
+perturbation scores (numbers) and their ``curves`` (lists of numbers).
+"""
+from __future__ import annotations
+
+import json
+import numbers
+from pathlib import Path
+
+GROUPS = ("ours", "ablation", "captum", "random")
+LOCALISATION = ("roc_auc", "precision_at_k", "relevance_mass")
+PERTURBATION = ("auac", "au_mse", "morf_auc", "lerf_auc")
+CURVES = ("activation", "pruning", "morf", "lerf")
+NO_TRUTH = ("bbc_news",)  # the tasks without planted truth: no localisation scores
+
+
+def _kind(value) -> str:
+    """The JSON name of a parsed value's type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def row_problem(row, perturbation: bool | None = None) -> str | None:
+    """What is wrong with one row, or None. ``perturbation``: whether the run that wrote it scored perturbation
+    (None: unknown, the scores need only be all there or all absent)."""
+    if not isinstance(row, dict):
+        return f"a row that is a JSON {_kind(row)}, not an object"
+    for key, wanted in (("family", "a string"), ("task", "a string"), ("method", "a string"), ("group", "a string"),
+                        ("seconds", "a number"), ("held_out_accuracy", "a number")):
+        if key not in row:
+            if key == "held_out_accuracy":  # the report does not read it (older rows lack it)
+                continue
+            return f"a row without {key!r}"
+        if not (isinstance(row[key], str) if wanted == "a string" else _is_number(row[key])):
+            return f"a row whose {key!r} is {row[key]!r}, not {wanted}"
+    if row["group"] not in GROUPS:
+        return f"a row of group {row['group']!r}, not one of {', '.join(GROUPS)}"
+    name = f"the row of {row['method']!r}"
+    for key in (*LOCALISATION, *PERTURBATION):
+        if key in row and not _is_number(row[key]):
+            return f"{name} whose {key!r} is {row[key]!r}, not a number"
+    if row["task"] not in NO_TRUTH:
+        missing = [key for key in LOCALISATION if key not in row]
+        if missing:
+            return f"{name} without {missing[0]!r}"
+    scored = [key for key in (*PERTURBATION, "curves") if key in row]
+    expected = bool(scored) if perturbation is None else (perturbation and row["group"] != "ablation")
+    if expected:
+        missing = [key for key in (*PERTURBATION, "curves") if key not in row]
+        if missing:
+            return f"{name} without {missing[0]!r}"
+        curves = row["curves"]
+        if not isinstance(curves, dict) or any(not isinstance(curves.get(k), list) or
+                                               not all(_is_number(v) for v in curves[k]) for k in CURVES):
+            return f"{name} whose 'curves' are not the lists of numbers {', '.join(CURVES)}"
+    elif scored:  # perturbation known: off, or an ablation (scored by localisation only)
+        which = "an ablation" if row["group"] == "ablation" else "a run without perturbation"
+        return f"{name} with {scored[0]!r}, which {which} does not score"
+    return None
+
+
+def journal_problem(record: dict) -> str | None:
+    """What is wrong with one model's result in the journal (``{"rows": [...], "job": {...}}``, the job already
+    checked), or None: the rows must be those of the job's model, with the scores the job asked for."""
+    job, rows = record["job"], record.get("rows")
+    if not isinstance(rows, list):
+        return "has no 'rows'" if "rows" not in record else f"has 'rows' that is a JSON {_kind(rows)}, not an array"
+    if not rows:
+        return "has no rows (every model gets one per method)"
+    for row in rows:
+        problem = row_problem(row, bool(job.get("perturbation")))
+        if problem is not None:
+            return f"holds {problem}"
+        if (row["family"], row["task"]) != (job.get("family"), job.get("task")):
+            return f"holds a row of {row['family']} {row['task']}, another model"
+    return None
+
+
+def read_results(path: Path) -> list[dict]:
+    """The rows of a ``results.json`` the comparison wrote, each checked.
+
+    Raises:
+        ValueError: naming the file and what is wrong (missing, not JSON, no ``rows``, a row the report cannot use).
+    """
+    advice = "run the comparison again without --report-only / --update to write it anew"
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; run the comparison without --report-only first.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not JSON ({error}); {advice}.") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path} holds no list of 'rows'; {advice}.")
+    for number, row in enumerate(rows):
+        problem = row_problem(row)
+        if problem is not None:
+            raise ValueError(f"{path}: row {number} is {problem}; {advice}.")
+    return rows
