@@ -152,7 +152,8 @@ def _sampled_channels(operator, generator) -> torch.Tensor | None:
     values, axis = getattr(operator, "values", None), operator.CHANNEL_FIELDS.get("values", -1)
     # a unit of the sample may hold several channels (a Mamba-2 head of P): as many units as make ~16 channels
     width = 1 if not torch.is_tensor(values) else max(1, values[(0,) * (axis % values.dim() + 1)].numel())
-    stressed_count, random_count = max(1, MAP_CHECK_STRESSED // width), max(1, MAP_CHECK_RANDOM // width)
+    # (heads of 8 channels or more: the fastest-decaying head alone; a kernel's code is the same for every head)
+    stressed_count, random_count = max(1, MAP_CHECK_STRESSED // width), MAP_CHECK_RANDOM // width
     if count <= stressed_count + random_count:
         return None
     stress = driver.abs().flatten(0, -2).amax(0).to(torch.float64)
@@ -161,7 +162,7 @@ def _sampled_channels(operator, generator) -> torch.Tensor | None:
         stress = stress * A.detach().abs().reshape(count, -1).amax(-1).to(stress.device, torch.float64)
     stressed = stress.nan_to_num(float("inf")).topk(stressed_count).indices.cpu()
     others = torch.tensor(sorted(set(range(count)) - set(stressed.tolist())))
-    chosen = others[torch.randperm(len(others), generator=generator)[:random_count]]
+    chosen = others[torch.randperm(len(others), generator=generator)[:random_count]].long()
     return torch.cat([stressed, chosen]).sort().values.to(driver.device)
 
 
@@ -183,24 +184,114 @@ def channel_sample(operator, generator):
     if fields is None or (torch.is_tensor(B) and B.dim() == 4 and B.shape[2] > 1):
         return operator
     index = _sampled_channels(operator, generator)
-    if index is None:
-        return operator
+    return operator if index is None else _select_channels(operator, index)
+
+
+# Largest accepted relative difference between two kernel paths of the same maps (:func:`check_map_paths`), by the
+# maps' dtype: the same pieces through other code (blocked GEMMs, per-channel blocks, the direct rows) differ by
+# rounding only (float32: ~1e-6 measured at L = 1024).
+MAP_PATH_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+MAP_PATH_TOKENS = 128  # the paths are compared on the first tokens: the leaves are causal, their maps a corner
+
+
+def _select_channels(leaf, index: torch.Tensor):
     changes = {}
-    for name, axis in fields.items():
-        value = getattr(operator, name)
+    for name, axis in leaf.CHANNEL_FIELDS.items():
+        value = getattr(leaf, name)
         if torch.is_tensor(value):
             changes[name] = value.index_select(axis % value.dim(), index.to(value.device))
-    return dataclasses.replace(operator, **changes)
+    return dataclasses.replace(leaf, **changes)
+
+
+def first_tokens(leaf, count: int):
+    """A causal leaf operator on its first ``count`` tokens (its maps: the top-left corner of the full maps)."""
+    changes = {}
+    for f in dataclasses.fields(leaf):
+        value = getattr(leaf, f.name)
+        if torch.is_tensor(value) and value.dim() >= 2 and leaf.CHANNEL_FIELDS.get(f.name) != 0:
+            changes[f.name] = value[:, :count]
+    return dataclasses.replace(leaf, **changes)
+
+
+def _magnitude(operator, g) -> torch.Tensor:
+    """Σ_c |g_c[i] y_c[i]| per token, (B, L) float64: the scale of the rounding in Σ_c g_c y_c (with the parts that
+    come from no token, which the contributions' own magnitudes leave out)."""
+    if not hasattr(operator, "output"):
+        return sum(_magnitude(part, part_g) for (_, part), part_g in zip(operator.parts, g))
+    return (g.abs() * operator.output.detach().to(torch.float64).abs()).flatten(2).sum(-1)
+
+
+def _leaves(operator):
+    """The operators with ``CHANNEL_FIELDS`` in ``operator``, through its separable parts."""
+    if getattr(operator, "CHANNEL_SEPARABLE", False):
+        for f in dataclasses.fields(operator):
+            value = getattr(operator, f.name)
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for item in items:
+                for inner in (item if isinstance(item, tuple) else (item,)):
+                    if _is_operator(inner):
+                        yield from _leaves(inner)
+    elif getattr(operator, "CHANNEL_FIELDS", None) is not None:
+        yield operator
+
+
+def check_map_paths(name: str, operator, generator) -> float:
+    """The kernel paths that return maps, against the one :func:`check_maps` ties to the output, on a (sampled) leaf
+    operator, on its first ``MAP_PATH_TOKENS`` tokens: per-channel rows (``maps(None, rows)``) contracted with a random
+    g and the values must be its contributions entry by entry; the full maps and the rows path of the reductions
+    (``"mean"``, whose path ``"sum"`` shares, and ``"abs_mean"``) must be the reductions of those per-channel rows.
+
+    Returns:
+        the largest relative difference.
+    Raises:
+        MapCheckError: above ``MAP_PATH_TOLERANCE``.
+    """
+    worst = 0.0
+    for leaf in _leaves(operator):
+        leaf = first_tokens(leaf, MAP_PATH_TOKENS)
+        units = getattr(leaf, next(iter(leaf.CHANNEL_FIELDS))).shape[-1]
+        B = getattr(leaf, "B", None)
+        one_group = not (torch.is_tensor(B) and B.dim() == 4 and B.shape[2] > 1)  # a head subset must follow groups
+        if units > 1 and one_group and leaf.values[0, 0].numel() // units >= MAP_CHECK_STRESSED:
+            leaf = _select_channels(leaf, torch.zeros(1, dtype=torch.long))  # heads of many channels: one is enough
+        length = leaf.values.shape[1]
+        rows = map_check_rows(length, leaf.values.device)
+        per_channel = leaf.maps(None, rows)  # (B, C, R, L)
+        tolerance = MAP_PATH_TOLERANCE.get(per_channel.dtype, 1e-4)
+        per_channel = per_channel.to(torch.float64)
+        values = leaf.values.detach().to(torch.float64).flatten(2)  # (B, L, Cv)
+        g = torch.randn(leaf.output.shape, generator=generator, dtype=torch.float64).to(values.device)
+        expanded = per_channel.repeat_interleave(values.shape[-1] // per_channel.shape[1], dim=1)
+        expected = torch.einsum("brc,bcrj,bjc->brj", g.flatten(2)[:, rows], expanded, values)
+        got = leaf.contributions(g, rows).to(torch.float64)
+        pairs = [("per-channel rows", got, expected)]
+        # ("sum" takes the path of "mean", which divides it by the channel count)
+        for reduce, reduction in (("mean", lambda t: t.mean(1)), ("abs_mean", lambda t: t.abs().mean(1))):
+            wanted = reduction(per_channel)
+            pairs.append((f"{reduce} maps", leaf.maps(reduce, None)[:, rows].to(torch.float64), wanted))
+            pairs.append((f"{reduce} rows", leaf.maps(reduce, rows).to(torch.float64), wanted))
+        for what, got, wanted in pairs:
+            scale = wanted.abs().max().item()
+            difference = (got - wanted).abs().max().item() if got.numel() else 0.0
+            relative = difference / scale if scale > 0 else difference
+            if not relative <= tolerance:  # NaN included
+                raise MapCheckError(
+                    f"mamba_captum: the implicit-attention maps of {name} differ between the map kernels' paths "
+                    f"({what}: relative {relative:.3g}, tolerance {tolerance:g}): a map kernel is wrong for this "
+                    "layer. No maps are returned for it; please report the model class and config.")
+            worst = max(worst, relative)
+    return worst
 
 
 def check_maps(name: str, operator, dtype: torch.dtype, token_mask=None, module=None) -> float:
     """Check the maps of ``operator`` where they are made: through the maps' own kernels, for a few query rows i
     (:func:`map_check_rows`) and a random channel weighting g, the contributions Σ_j Σ_c g_c[i] H_c[i, j] x_c[j]
     (``operator.contributions``) must add up to Σ_c g_c[i] y_c[i], with y the operator's output, which the layer check
-    (:func:`check_reconstruction`) compared with the layer's real output. So a map kernel that loses precision (or a
-    wrong kernel) cannot return numbers unnoticed; rows of padding tokens are not compared. Large operators are checked
-    on a sample of their channels (:func:`channel_sample`: the most strongly decaying and random others). Cost: the
-    contributions of ``MAP_CHECK_ROWS`` rows of the sampled channels.
+    (:func:`check_reconstruction`) compared with the layer's real output; then the other kernel paths that return maps
+    (full maps, per-channel maps, every reduction) must agree with those contributions (:func:`check_map_paths`). So
+    a map kernel that loses precision (or a wrong kernel) cannot return numbers unnoticed; rows of padding tokens are
+    not compared. Large operators are checked on a sample of their channels (:func:`channel_sample`: the most
+    strongly decaying and random others). Cost: a few rows and the full maps of the sampled channels.
 
     Args:
         operator: a rebuilt operator (:mod:`mamba_captum.operators`) with its ``values`` and ``output``.
@@ -208,7 +299,7 @@ def check_maps(name: str, operator, dtype: torch.dtype, token_mask=None, module=
         token_mask: (B, L) or None, 1 for real tokens.
         module: the token mixer, whose non-finite weights a failure names.
     Returns:
-        the relative error, ``max |Σ_j contributions − Σ_c g_c y_c| / max Σ_j |contributions|``.
+        the relative error, ``max |Σ_j contributions − Σ_c g_c y_c| / max(Σ_j |contributions|, Σ_c |g_c y_c|)``.
     Raises:
         MapCheckError: above ``MAP_TOLERANCE`` for the model's dtype.
     """
@@ -224,7 +315,8 @@ def check_maps(name: str, operator, dtype: torch.dtype, token_mask=None, module=
         target = target[:, rows]
     tolerance = MAP_TOLERANCE.get(dtype, 1e-3)
     difference = (contributions.sum(-1) - target).abs()
-    scale = contributions.abs().sum(-1)
+    # the output's rounding scales with all of it: the tokens' share, and the biases' (which may be the larger)
+    scale = torch.maximum(contributions.abs().sum(-1), _magnitude(operator, g)[:, rows])
     if token_mask is not None:
         real = token_mask.to(device=difference.device)[:, rows] != 0
         difference, scale = difference * real, scale * real
@@ -243,6 +335,7 @@ def check_maps(name: str, operator, dtype: torch.dtype, token_mask=None, module=
             f"{'' if finite else '; the maps hold NaN or inf'}), although the operator itself does: its parameters "
             f"put the maps' kernel out of its exact range{_largest_decay(operator)}. No maps are returned for it; "
             "please report the model class and config.")
+    check_map_paths(name, operator, generator)
     return relative
 
 

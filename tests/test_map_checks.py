@@ -149,6 +149,30 @@ def test_a_mutated_map_kernel_raises_on_the_first_call(family, target, mutate, m
         mc.MambaAttribution(model).attribute(IDS, target=1)
 
 
+def test_a_wrong_full_map_path_raises_though_the_rows_path_is_right(monkeypatch):
+    # the full maps (blocked GEMMs, recursive halving) take other code than the rows the output check reads: a dropped
+    # quadrant in the recursion, found by a hostile probe to pass the output check alone, must raise
+    import mamba_captum.kernels.selective.blocked as blocked
+
+    model, ids = make_model("mamba", dtype=torch.float64), torch.randint(3, 60, (1, 40))
+    mc.implicit_attention(model, ids)
+    original = blocked._level_plan
+    monkeypatch.setattr(blocked, "_level_plan", lambda n: original(n)[1:])
+    with pytest.raises(MapCheckError, match=r"differ between the map kernels' paths \(mean maps"):
+        mc.implicit_attention(model, ids)
+
+
+def test_abs_mean_without_the_abs_raises(monkeypatch):
+    import mamba_captum.operators.selective as selective
+
+    model = make_model("mamba", dtype=torch.float64)
+    original = selective.selective_maps
+    monkeypatch.setattr(selective, "selective_maps", lambda *a, **k: original(
+        *a, **{**k, "reduce": "mean" if k.get("reduce") == "abs_mean" else k.get("reduce", "mean")}))
+    with pytest.raises(MapCheckError, match=r"abs_mean"):
+        mc.implicit_attention(model, IDS)
+
+
 # --- RWKV under strong decays, non-finite weights ------------------------------------------------------------------
 
 def rwkv_with_decay(value):
