@@ -15,9 +15,10 @@ launcher (``WORLD_SIZE`` unset or 1) there is one process and nothing to set up.
 """
 from __future__ import annotations
 
-import glob
+import codecs
 import json
 import os
+import re
 import shutil
 import sys
 from collections.abc import Callable
@@ -73,7 +74,9 @@ def _read(path: Path, wanted: set[str], check: Callable[[dict], str | None] | No
     """
     if not path.exists():
         return [], False
-    *lines, tail = path.read_bytes().split(b"\n")
+    data = path.read_bytes()
+    # a byte-order mark (Windows editors write one) is not part of the first line's JSON, as for the dataset reader
+    *lines, tail = data.removeprefix(codecs.BOM_UTF8).split(b"\n")
     records = []
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
@@ -132,7 +135,36 @@ def _drop_cut_line(path: Path) -> None:
 
 
 def _parts(output: Path) -> list[Path]:
-    return sorted(output.parent.glob(glob.escape(output.name) + ".part*"))
+    """The part files of ``output`` there now: ``<output>.part<i>`` (digits only: ``<output>.partial`` or
+    ``<output>.part-report.html`` is a user's file, never read or deleted here)."""
+    pattern = re.compile(re.escape(output.name) + r"\.part[0-9]+")
+    try:
+        names = [entry.name for entry in os.scandir(output.parent) if pattern.fullmatch(entry.name)]
+    except OSError:  # no folder (yet): no parts
+        return []
+    return sorted(output.parent / name for name in names)
+
+
+def _claims(output: Path) -> Path:
+    return output.with_name(output.name + ".claims")
+
+
+def _staged(output: Path) -> Path:
+    return output.with_name(output.name + ".tmp")
+
+
+def side_files(output: Path) -> list[Path]:
+    """Every path besides ``output`` that :func:`run_jobs` may create, write or delete for it: the staged
+    ``<output>.tmp``, the ``<output>.claims/`` folder and the files in it, the part files ``<output>.part<i>`` there
+    now (the ones a run creates are new names, which replace nothing). They are outputs too: an application checks
+    them against its inputs before it runs (:func:`mamba_captum.files.check_outputs`)."""
+    output = Path(output)
+    claims = _claims(output)
+    try:
+        claimed = sorted(claims.iterdir()) if claims.is_dir() and not claims.is_symlink() else []
+    except OSError:
+        claimed = []
+    return [_staged(output), claims, *claimed, *_parts(output)]
 
 
 def _claim(claims: Path, position: int) -> bool:
@@ -193,7 +225,7 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
     keys = [_key(job) for job in jobs]
     if len(set(keys)) != len(keys):
         raise ValueError("mamba_captum: two jobs are the same; each must name distinct work.")
-    claims = output.with_name(output.name + ".claims")
+    claims = _claims(output)
     if group.main:
         if restart:
             for path in [output, *_parts(output)]:
@@ -236,7 +268,7 @@ def run_jobs(jobs: list[dict], work: Callable[[dict], dict], output: Path, *, gr
     if group.main:
         done = done_records(jobs, output)  # the earlier results were checked above; this run's are its own
         records = [done[key] for key in keys]
-        staged = output.with_name(output.name + ".tmp")
+        staged = _staged(output)
         staged.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
         staged.replace(output)
         for path in _parts(output):

@@ -122,3 +122,80 @@ def test_the_evaluation_modules_refuse_counts_below_one(tmp_path, capsys, main, 
         main([*arguments, "--weights" if main is vision.main else "--out", str(tmp_path / "out")])
     assert leaving.value.code == 2 and "must be at least 1, not" in one_error_line(capsys.readouterr().err)
     assert not list(tmp_path.iterdir())
+
+
+def tree(folder) -> dict:
+    """Every file under ``folder``: relative path -> bytes (folders as None)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))}
+
+
+# a --doc the report cannot go into (how it is made in tmp_path) and what the one error line says about it
+BAD_DOCS = [
+    ("no markers", lambda doc: doc.write_text("# Faithfulness\n\nprose only\n"),
+     "lacks the generated-section markers"),
+    ("a directory", lambda doc: doc.mkdir(), "is a directory; give the Markdown file"),
+    ("not UTF-8", lambda doc: doc.write_bytes(b"# Faithfulness \xff\n"), "is not UTF-8 text (invalid start byte"),
+]
+
+
+@pytest.mark.parametrize("report_only", [False, True], ids=["run", "report-only"])
+@pytest.mark.parametrize("name, make, message", BAD_DOCS, ids=[name for name, _, _ in BAD_DOCS])
+def test_a_doc_the_report_cannot_go_into_is_refused_before_any_work(tmp_path, capsys, monkeypatch, report_only,
+                                                                     name, make, message):
+    monkeypatch.setattr(compare, "evaluate", lambda **k: pytest.fail("a model was run"))
+    doc, assets = tmp_path / "faithfulness.md", tmp_path / "assets"
+    make(doc)
+    assets.mkdir()
+    (assets / "results.json").write_text(json.dumps({"rows": [ROW]}))
+    before = tree(tmp_path)
+    code, _, err = run_main(capsys, "evaluate", *(["--report-only"] if report_only else OPTIONS), "--doc", doc,
+                            "--assets", assets)
+    assert code == 2 and "Traceback" not in err
+    assert one_error_line(err).startswith(f"mamba-captum evaluate: error: --doc {str(doc)!r} ") and \
+        message in one_error_line(err)
+    assert tree(tmp_path) == before  # results.json and the plots untouched
+
+
+@pytest.mark.parametrize("name, make, message", BAD_DOCS + [
+    ("missing", lambda doc: None, "does not exist; give the Markdown file holding the markers")],
+    ids=[name for name, _, _ in BAD_DOCS] + ["missing"])
+def test_the_image_suite_refuses_a_doc_it_cannot_go_into(tmp_path, capsys, monkeypatch, name, make, message):
+    from mamba_captum.evaluation import vision_compare
+
+    monkeypatch.setattr(vision_compare, "evaluate_images", lambda *a, **k: pytest.fail("a model was run"))
+    doc = tmp_path / "faithfulness.md"
+    make(doc)
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit) as leaving:
+        vision.main(["--doc", str(doc), "--assets", str(tmp_path / "assets")])
+    err = capsys.readouterr().err
+    assert leaving.value.code == 2 and message in one_error_line(err) and f"--doc {str(doc)!r}" in err
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "images.json does not exist; run python -m mamba_captum.evaluation.vision without --report-only"),
+    (b'{"rows": [', "images.json is not JSON"),
+    (b"[]", "images.json holds a JSON array, not the results object"),
+    (b'{"rows": [], "models": []}', "images.json has no string 'command'"),
+])
+def test_image_report_only_refuses_a_missing_or_damaged_images_json(tmp_path, capsys, content, message):
+    from mamba_captum.evaluation.vision_compare import BEGIN as IMAGES_BEGIN, END as IMAGES_END
+
+    doc, assets = tmp_path / "faithfulness.md", tmp_path / "assets"
+    doc.write_text(f"# Faithfulness\n\n{IMAGES_BEGIN}\n{IMAGES_END}\n")
+    assets.mkdir()
+    if content is not None:
+        (assets / "images.json").write_bytes(content)
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit) as leaving:
+        vision.main(["--report-only", "--doc", str(doc), "--assets", str(assets)])
+    err = capsys.readouterr().err
+    assert leaving.value.code == 2 and message in one_error_line(err) and "Traceback" not in err
+    assert tree(tmp_path) == before
+
+
+def test_a_results_json_with_a_byte_order_mark_is_read(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"rows": [ROW]}).encode())  # as a Windows editor saves it
+    assert read_results(path) == [ROW]

@@ -289,3 +289,96 @@ def test_a_cli_write_failing_mid_way_leaves_the_old_outputs_whole(vim_files, tmp
     assert code == 0, err
     assert sorted(snapshot(tmp_path)) == ["report.html", "rows.jsonl"]
     assert json.loads((tmp_path / "rows.jsonl").read_text())["image"] == str(vim_files / "a.png")
+
+
+# -- the files a resumable --dataset run keeps beside --jsonl (mamba_captum.parallel.side_files) ----------------------
+@pytest.mark.parametrize("given, path, args", [
+    ("--dataset", "d.jsonl.part0", ["--dataset", "d.jsonl.part0", "--jsonl", "d.jsonl", "--restart"]),
+    ("--dataset", "o.jsonl.tmp", ["--dataset", "o.jsonl.tmp", "--jsonl", "o.jsonl"]),
+    ("--model", "r.jsonl.claims", ["--model", "r.jsonl.claims", "--dataset", "texts.jsonl", "--jsonl", "r.jsonl"]),
+])
+def test_a_dataset_run_never_replaces_an_input_with_its_working_files(given, path, args, tmp_path, capsys,
+                                                                       no_loading):
+    stand_in_checkpoint(tmp_path / "model")
+    if given == "--model":
+        stand_in_checkpoint(tmp_path / path)
+    for name in ("texts.jsonl", path):
+        if given == "--dataset" or name == "texts.jsonl":
+            (tmp_path / name).write_text('{"text": "the plot was good"}\n')
+    args = [str(tmp_path / a) if not a.startswith("--") else a for a in args]
+    if given == "--dataset":
+        args = ["--model", str(tmp_path / "model"), *args]
+    before = snapshot(tmp_path)
+    line = refused(capsys, ["explain", *args], before, tmp_path)
+    assert line.endswith(f"error: {given} and --jsonl's working file both name {str(tmp_path / path)!r}; an output "
+                         "never replaces an input: give --jsonl's working file another path.")
+
+
+def test_the_evaluation_never_replaces_a_shipped_model_with_its_journals_working_files(tmp_path, capsys):
+    weights = stand_in_weights(tmp_path / "weights")
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "results.partial.jsonl.tmp").symlink_to(weights / "mamba-needle" / "model.safetensors")
+    before = snapshot(tmp_path)
+    line = refused(capsys, ["evaluate", "--weights", weights, "--doc", tmp_path / "faithfulness.md", "--assets",
+                            tmp_path / "assets"], before, tmp_path)
+    assert f"--assets '{tmp_path}/assets/results.partial.jsonl.tmp' is a file of --weights '{weights}'" in line
+
+
+# -- matrices: the layer maps there now -------------------------------------------------------------------------------
+def test_matrices_never_write_a_map_through_a_link_to_a_checkpoint_file(tmp_path, capsys, no_loading):
+    model = stand_in_checkpoint(tmp_path / "model")
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    (maps / "layer_00.png").symlink_to(model / "config.json")
+    before = snapshot(tmp_path)
+    line = refused(capsys, ["matrices", "--model", model, "--text", "x", "--out-dir", maps], before, tmp_path)
+    assert line.endswith(f"error: --out-dir '{maps}/layer_00.png' is a file of --model '{model}' and would replace "
+                         "it; write outputs outside that folder.")
+
+
+# -- links to no file yet, and "-" -------------------------------------------------------------------------------------
+def test_checking_an_output_link_to_no_file_creates_nothing_and_the_write_goes_through_it(vim_files, tmp_path,
+                                                                                          capsys):
+    from mamba_captum.cli.files import writable_file
+
+    (tmp_path / "results").mkdir()
+    link = tmp_path / "rows.jsonl"
+    link.symlink_to(tmp_path / "results" / "rows.jsonl")
+    assert writable_file(link) == link
+    assert snapshot(tmp_path) == {"rows.jsonl": ("link", str(tmp_path / "results" / "rows.jsonl"))}
+    code, out, err = run_main(capsys, "explain", "--model", vim_files / "vim.pth", "--img-size", 32, "--image",
+                              vim_files / "a.png", "--jsonl", link)
+    assert code == 0, err
+    assert os.readlink(link) == str(tmp_path / "results" / "rows.jsonl")  # the link kept, its file written
+    assert json.loads((tmp_path / "results" / "rows.jsonl").read_text())["image"] == str(vim_files / "a.png")
+
+
+def test_an_output_link_into_a_missing_folder_is_refused_and_kept(tmp_path, capsys, no_loading):
+    model = stand_in_checkpoint(tmp_path / "model")
+    link = tmp_path / "report.html"
+    link.symlink_to(tmp_path / "nowhere" / "report.html")
+    before = snapshot(tmp_path)
+    line = refused(capsys, ["explain", "--model", model, "--text", "x", "--out", link], before, tmp_path)
+    assert line.endswith(f"error: {str(link)!r} links to '{tmp_path}/nowhere/report.html', whose folder does not "
+                         "exist; create it or give another file name.")
+
+
+def test_a_dash_output_is_refused_not_written_as_a_file_named_dash(tmp_path, capsys, monkeypatch, no_loading):
+    model = stand_in_checkpoint(tmp_path / "model")
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(tmp_path)
+    line = refused(capsys, ["explain", "--model", model, "--text", "x", "--out", "-"], before, tmp_path)
+    assert line.endswith("error: '-' is not standard output here; give a file name (e.g. report.html).")
+
+
+def test_the_weights_only_refusal_of_a_pickle_checkpoint_is_plain_text(tmp_path):
+    import fractions
+
+    from mamba_captum.vision.checkpoints import read_checkpoint
+
+    torch.save({"model": fractions.Fraction(1, 3)}, tmp_path / "pickled.pth")  # a global weights_only refuses
+    with pytest.raises(ValueError) as refusal:
+        read_checkpoint(tmp_path / "pickled.pth")
+    message = str(refusal.value)
+    assert "weights-only PyTorch checkpoint (UnpicklingError: Weights only load failed." in message
+    assert "\x1b" not in message and "\n" not in message

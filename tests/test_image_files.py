@@ -155,6 +155,64 @@ def test_integer_and_float_images_outside_their_range_are_refused_in_one_line(im
     assert isinstance(refused.value, ValueError)
 
 
+# -- a transparent colour (PNG's tRNS) composited on white, as an alpha channel is ------------------------------
+def keyed(mode, values, key):
+    """An image of ``values`` in ``mode`` whose colour ``key`` is transparent (Pillow's info["transparency"])."""
+    image = Image.fromarray(values, "CMYK") if mode == "CMYK" else Image.fromarray(values)
+    assert image.mode == mode
+    image.info["transparency"] = key
+    return image
+
+
+KEYED = [  # (label, image with a transparent colour, save it as PNG?, expected [0, 1] values)
+    ("L PNG", keyed("L", numpy.array([[0, 51, 255]], numpy.uint8), 51), True, grey([[0, 1, 1]])),
+    ("L", keyed("L", numpy.array([[0, 51, 255]], numpy.uint8), 0), False, grey([[1, 0.2, 1]])),
+    ("1 PNG", keyed("1", numpy.array([[False, True]]), 0), True, grey([[1, 1]])),
+    ("RGB PNG", keyed("RGB", numpy.array([[[200, 0, 100], [10, 20, 30]]], numpy.uint8), (10, 20, 30)), True,
+     numpy.array([[[200 / 255, 0, 100 / 255], [1, 1, 1]]])),
+    ("I;16 PNG", keyed("I;16", numpy.array([[0, 1000, 65535]], numpy.uint16), 1000), True, grey([[0, 1, 1]])),
+    ("I", keyed("I", numpy.array([[0, 1000, 30000]], numpy.int32), 30000), False, grey([[0, 1000 / 65535, 1]])),
+    ("F", keyed("F", numpy.array([[0.0, 0.25, 0.5]], numpy.float32), 0.25), False, grey([[0, 1, 0.5]])),
+]
+
+
+@pytest.mark.parametrize("label, image, as_file, expected", KEYED, ids=[case[0] for case in KEYED])
+def test_a_transparent_colour_is_composited_on_white(tmp_path, label, image, as_file, expected):
+    """The probe: L, RGB and 1 with tRNS came out black where LA, P + tRNS and RGBA came out white."""
+    source = saved(image, tmp_path, "keyed.png", transparency=image.info["transparency"]) if as_file else image
+    got = loaded(source)
+    assert got.shape == expected.shape and numpy.allclose(got, expected, atol=1e-6, rtol=0), got[0] * 255
+    if as_file:  # load_image: the same pixels, 8 bits a channel
+        assert (numpy.asarray(load_image(source)) == numpy.round(expected * 255).astype(numpy.uint8)).all()
+
+
+@pytest.mark.parametrize("mode, key", [("L", 0), ("RGB", (0, 0, 0)), ("1", 0), ("I;16", 0)])
+def test_a_fully_transparent_file_is_white_whatever_its_mode(tmp_path, mode, key):
+    path = saved(Image.new(mode, (8, 8)), tmp_path, "clear.png", transparency=key)
+    assert (unnormalised(preprocess(path, size=32)) == 1.0).all()
+
+
+def test_a_transparent_colour_on_a_mode_without_one_is_refused_in_one_line():
+    """CMYK has no transparent colour in Pillow: a key set on one is refused, not silently ignored."""
+    image = keyed("CMYK", numpy.zeros((1, 2, 4), numpy.uint8), 0)
+    with pytest.raises(images.ImageError, match=r"mode 'CMYK' with a transparent colour 0") as refused:
+        preprocess(image)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("function", [preprocess, load_image])
+@pytest.mark.parametrize("given, named", [
+    (numpy.zeros((8, 8, 3), numpy.uint8), "not a numpy.ndarray of shape (8, 8, 3) and dtype uint8"),
+    (torch.zeros(3, 8, 8), "not a torch.Tensor of shape (3, 8, 8) and dtype torch.float32"),
+])
+def test_an_array_or_tensor_for_a_path_is_refused_in_one_line(function, given, named):
+    with pytest.raises(TypeError) as refused:
+        function(given)
+    message = str(refused.value)
+    assert message.startswith(f"mamba_captum: {function.__name__} takes a path") and named in message
+    assert "PIL.Image.fromarray" in message and "\n" not in message
+
+
 def test_a_files_exif_orientation_is_applied(tmp_path):
     """A phone photo stored sideways with orientation 6 (rotate 90° clockwise to view) is read as it is viewed."""
     stored = numpy.arange(6, dtype=numpy.uint8).reshape(2, 3) * 50

@@ -226,3 +226,15 @@ def test_two_processes_evaluate_as_one_does(tmp_path):
                 for name, value in rows.items()}
     assert timeless["two"] == timeless["one"] and len(rows["one"]) == 4 * 2
     assert not (tmp_path / "two" / "results.partial.jsonl").exists()
+
+
+def test_a_part_file_with_a_byte_order_mark_is_resumed_and_other_files_are_left_alone(tmp_path):
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.part0").write_bytes(  # saved by a Windows editor: a byte-order mark first
+        b"\xef\xbb\xbf" + json.dumps({"value": 0, "job": jobs(2)[0]}).encode() + b"\n")
+    (tmp_path / "out.jsonl.partial").write_text("a user's own file, no part file of a run")
+    done = []
+    records = run_jobs(jobs(2), lambda job: done.append(job["line"]) or {"value": job["line"] * 10}, output)
+    assert done == [1] and records == [{"value": i * 10, "job": jobs(2)[i]} for i in range(2)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl", "out.jsonl.partial"]
+    assert (tmp_path / "out.jsonl.partial").read_text() == "a user's own file, no part file of a run"

@@ -22,10 +22,16 @@ def check_paths(outputs, inputs, folders=()) -> None:
 
 def writable_file(path: Path) -> Path:
     """Check an output file can be written before any model work (the parent is created; a file this check creates
-    is removed again, so a run refused later leaves no empty output behind)."""
+    is removed again, so a run refused later leaves no empty output behind). A link whose file is not there yet is
+    written through later (the file created, the link kept); this check creates neither."""
+    if str(path) == "-":  # argparse hands "-" over as a file name: the output would be a file called "-"
+        raise UsageError("'-' is not standard output here; give a file name (e.g. report.html).")
     try:
         if path.is_dir():
             raise UsageError(f"{str(path)!r} is a directory; give a file name.")
+        if path.is_symlink() and not path.exists():  # a dangling link: its target's folder must take the file
+            _check_link_target(path)
+            return path
         path.parent.mkdir(parents=True, exist_ok=True)
         existed = path.exists()
         with path.open("a", encoding="utf-8"):
@@ -38,6 +44,18 @@ def writable_file(path: Path) -> Path:
     except OSError as error:
         raise UsageError(f"cannot write {str(path)!r}: {error.strerror or error}.") from None
     return path
+
+
+def _check_link_target(link: Path) -> None:
+    """A link to no file: the file it names is created by the write (the link kept), so that file's folder must
+    exist and take a new file; nothing is created here but the probe, removed again."""
+    target = Path(os.path.realpath(link))
+    if os.path.lexists(target):  # realpath stopped at a link: the links go round in a loop
+        raise UsageError(f"{str(link)!r} is a symbolic link that leads round in a loop; give a file name.")
+    if not target.parent.is_dir():
+        raise UsageError(f"{str(link)!r} links to {str(target)!r}, whose folder does not exist; create it or give "
+                         "another file name.")
+    check_folder_writable(target.parent)
 
 
 def writable_dir(path: Path) -> Path:

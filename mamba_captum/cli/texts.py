@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -61,8 +62,15 @@ def explain_command(args):
     # read before anything is written: --jsonl naming the dataset would otherwise empty it
     rows = read_dataset(args.dataset) if args.dataset else None
     jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
-    # no output may replace the dataset, a file of the checkpoint folder or the other output
-    check_paths([("--jsonl", jsonl), ("--out", args.out)], [("--model", args.model), ("--dataset", args.dataset)],
+    # no output may replace the dataset, a file of the checkpoint folder or the other output; with --dataset, nor
+    # may the files the resumable run keeps beside --jsonl (its part files, claims and staged copy)
+    working = []
+    if rows is not None:
+        from ..parallel import side_files
+
+        working = [("--jsonl's working file", path) for path in side_files(jsonl)]
+    check_paths([("--jsonl", jsonl), ("--out", args.out), *working],
+                [("--model", args.model), ("--dataset", args.dataset)],
                 [("--offload-folder", args.offload_folder, ())])
     for path in (jsonl, args.out):
         if path is not None:
@@ -161,6 +169,16 @@ def _runs_on_cpu(args) -> bool:
     return str(args.device or "cpu").startswith("cpu")
 
 
+def existing_maps(out_dir: Path) -> list[tuple[str, Path]]:
+    """("--out-dir", path) of each entry of ``out_dir`` a ``matrices`` run may replace (``layer_*.png``, any case),
+    links included; none when the folder is not there yet."""
+    try:
+        names = [entry.name for entry in os.scandir(out_dir)]
+    except OSError:  # not there yet (or not a folder: writable_dir says so)
+        return []
+    return [("--out-dir", out_dir / name) for name in sorted(names) if re.fullmatch(r"layer_.*\.png", name, re.I)]
+
+
 def matrices_command(args):
     from ..explain import encode_text, explain
     from ..html_report import map_png
@@ -168,8 +186,10 @@ def matrices_command(args):
     if args.scale > MAX_MAP_PIXELS:  # even a one-token text would exceed the largest map
         raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
                          "(tokens × scale); use a smaller --scale.")
-    check_paths([], [("--model", args.model)], [("--out-dir", args.out_dir, ("tokens.json",)),
-                                                ("--offload-folder", args.offload_folder, ())])
+    # the layer_NN.png names are known once the model is loaded; the ones there now (a link to a checkpoint file
+    # included) are checked before then, and the new names replace nothing
+    check_paths(existing_maps(args.out_dir), [("--model", args.model)],
+                [("--out-dir", args.out_dir, ("tokens.json",)), ("--offload-folder", args.offload_folder, ())])
     writable_dir(args.out_dir)
     model, tokenizer = load_model(args, args.model)
     length = encode_text(model, tokenizer, args.text).shape[1]

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..files import FileClashError, atomic_target, check_outputs, write_atomically
+from ..files import atomic_target, check_outputs, write_atomically
 from .arguments import positive_int
 from .models import FAMILIES, training_record, weights_root
-from .results import LOCALISATION, PERTURBATION, journal_problem, read_results
+from .results import LOCALISATION, PERTURBATION, journal_problem, read_doc, read_results
 from .tasks import TASKS
 
 BEGIN, END = "<!-- generated:begin (python -m mamba_captum.evaluation) -->", "<!-- generated:end -->"
@@ -210,14 +210,17 @@ def generated_section(rows, usable, skipped, seconds, command) -> str:
     return "\n".join(parts)
 
 
+NEW_DOC = f"# Faithfulness\n\n{BEGIN}\n{END}\n"  # the text of a --doc not there yet
+
+
 def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, command: str):
+    """Write results.json, the plots and the generated section of ``doc``; the doc is read and checked first
+    (:func:`.results.read_doc`, ValueError), so a doc without the markers leaves every file as it was."""
+    text = read_doc(doc, BEGIN, END, missing=NEW_DOC)
     assets.mkdir(parents=True, exist_ok=True)
     write_atomically(assets / "results.json", json.dumps(dict(rows=rows, skipped=skipped), indent=0) + "\n")
     plots(rows, assets)
     section = generated_section(rows, usable, skipped, seconds, command)
-    text = doc.read_text() if doc.exists() else f"# Faithfulness\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"mamba_captum: {doc} lacks the generated-section markers {BEGIN!r} … {END!r}.")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     write_atomically(doc, head + section + tail)
@@ -244,10 +247,15 @@ def main(argv=None):
     parser.add_argument("--restart", action="store_true", help="discard the results an interrupted run left in "
                         "ASSETS/results.partial.jsonl instead of resuming from them")
     args = parser.parse_args(argv)
+    from ..parallel import side_files
+
+    # the resumable run's files beside its journal (part files, claims, staged copy) are outputs too
+    journal = args.assets / "results.partial.jsonl"
     try:  # before anything is run or written: no output may replace a shipped model's file or another output
-        check_outputs([("--doc", args.doc)], [("--weights", args.weights or weights_root())],
-                      [("--assets", args.assets, ASSET_FILES)])
-    except FileClashError as error:
+        check_outputs([("--doc", args.doc), *(("--assets", path) for path in side_files(journal))],
+                      [("--weights", args.weights or weights_root())], [("--assets", args.assets, ASSET_FILES)])
+        read_doc(args.doc, BEGIN, END, missing=NEW_DOC)  # a doc the report cannot go into: refused before the work
+    except ValueError as error:  # FileClashError included
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     if args.report_only:
         try:
@@ -298,7 +306,6 @@ def main(argv=None):
                                  perturbation=job["perturbation"], weights_root=args.weights, methods=methods,
                                  log=lambda row: print({k: v for k, v in row.items() if k != "curves"}, flush=True))}
 
-    journal = args.assets / "results.partial.jsonl"
     args.assets.mkdir(parents=True, exist_ok=True)
     try:
         records = run_jobs(jobs, work, journal, group=processes(cpu=True), restart=args.restart,

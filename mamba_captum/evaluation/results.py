@@ -98,8 +98,8 @@ def read_results(path: Path) -> list[dict]:
         ValueError: naming the file and what is wrong (missing, not JSON, no ``rows``, a row the report cannot use).
     """
     advice = "run the comparison again without --report-only / --update to write it anew"
-    try:
-        data = json.loads(Path(path).read_bytes().decode("utf-8"))
+    try:  # utf-8-sig: a byte-order mark (Windows editors write one) is not part of the JSON
+        data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
     except FileNotFoundError:
         raise ValueError(f"{path} does not exist; run the comparison without --report-only first.") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -112,3 +112,60 @@ def read_results(path: Path) -> list[dict]:
         if problem is not None:
             raise ValueError(f"{path}: row {number} is {problem}; {advice}.")
     return rows
+
+
+def read_image_results(path: Path) -> dict:
+    """The ``images.json`` the image suite wrote (``--report-only`` rewrites the report from it), checked as far as
+    the report reads it: a JSON object with the lists ``models`` and ``rows`` and the ``command`` string.
+
+    Raises:
+        ValueError: naming the file, what is wrong and the fix.
+    """
+    advice = "run python -m mamba_captum.evaluation.vision without --report-only to write it anew"
+    try:
+        data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist; {advice}.") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a directory, not the images.json of a run; {advice}.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not JSON ({error}); {advice}.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {_kind(data)}, not the results object; {advice}.")
+    for key, kind, fits in (("models", "list", list), ("rows", "list", list), ("command", "string", str)):
+        if not isinstance(data.get(key), fits):
+            raise ValueError(f"{path} has no {kind} {key!r}; {advice}.")
+    if not all(isinstance(item, dict) for item in data["models"] + data["rows"]):
+        raise ValueError(f"{path} holds a model or row that is not a JSON object; {advice}.")
+    return data
+
+
+def read_doc(doc: Path, begin: str, end: str, missing: str | None = None) -> str:
+    """The text of the Markdown file a report goes into, read and checked before any work or write: a UTF-8 file
+    holding the generated section's ``begin`` and ``end`` markers, in that order. ``missing``: the text of a file
+    not there yet (None: it must exist).
+
+    Raises:
+        ValueError: naming the file, what is wrong and the fix.
+    """
+    doc = Path(doc)
+    try:
+        text = doc.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        if missing is not None:
+            return missing
+        raise ValueError(f"--doc {str(doc)!r} does not exist; give the Markdown file holding the markers "
+                         f"{begin!r} … {end!r}.") from None
+    except IsADirectoryError:
+        raise ValueError(f"--doc {str(doc)!r} is a directory; give the Markdown file (e.g. "
+                         "docs/faithfulness.md).") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--doc {str(doc)!r} is not UTF-8 text ({error.reason} at byte {error.start}); give the "
+                         "Markdown file (e.g. docs/faithfulness.md).") from None
+    except OSError as error:
+        raise ValueError(f"--doc {str(doc)!r} cannot be read: {error.strerror or error}.") from None
+    start = text.find(begin)
+    if start < 0 or text.find(end, start) < 0:
+        raise ValueError(f"--doc {str(doc)!r} lacks the generated-section markers {begin!r} … {end!r} (in that "
+                         "order); add those two lines where the generated part goes.")
+    return text

@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-from ..files import FileClashError, check_outputs
+from ..files import check_outputs
 from .arguments import positive_int
 from .models import weights_root
+from .results import read_doc, read_image_results
 from .vision_models import VISION_TASKS, save_vim, train_vim
 
 # what --assets holds after a run
@@ -42,15 +43,20 @@ def main(argv=None):
             folder = save_vim(model, record, args.weights)
             print(json.dumps(record), f"-> {folder}", flush=True)
         return
-    try:  # before anything is run or written: no output may replace a shipped model's file or another output
+    from .vision_compare import BEGIN, END, evaluate_images, write_image_report
+
+    results = None
+    try:  # before anything is run or written: no output may replace a shipped model's file or another output;
+    # the doc must take the section, and --report-only's results be readable
         check_outputs([("--doc", args.doc)], [("--weights", args.weights or weights_root())],
                       [("--assets", args.assets, ASSET_FILES)])
-    except FileClashError as error:
+        read_doc(args.doc, BEGIN, END)
+        if args.report_only:
+            results = read_image_results(args.assets / "images.json")
+    except ValueError as error:  # FileClashError included
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    from .vision_compare import evaluate_images, write_image_report
 
     if args.report_only:
-        results = json.loads((args.assets / "images.json").read_text())
         write_image_report(results, args.doc, args.assets, results["command"])
         print(f"rewrote the image section of {args.doc} from {args.assets}/images.json")
         return

@@ -30,6 +30,7 @@ from torch import nn
 from .. import MambaAttribution, MambaRawAttention, MambaRollout
 from ..files import atomic_target, write_atomically
 from . import metrics
+from .results import read_doc
 from .vision_models import held_out, load_trained_vim
 
 BEGIN = "<!-- generated-images:begin (python -m mamba_captum.evaluation.vision) -->"
@@ -267,6 +268,9 @@ def example_figure(folder: Path, weights_root=None, count: int = 4, methods=None
 
 
 def write_image_report(results, doc: Path, assets: Path, command: str, weights_root=None):
+    """Write images.json, the plots and the image section of ``doc``; the doc is read and checked first
+    (:func:`.results.read_doc`, ValueError), so a doc without the markers leaves every file as it was."""
+    text = read_doc(doc, BEGIN, END)
     assets.mkdir(parents=True, exist_ok=True)
     write_atomically(assets / "images.json", json.dumps(results, indent=0) + "\n")
     _plots(results, assets)
@@ -277,9 +281,6 @@ def write_image_report(results, doc: Path, assets: Path, command: str, weights_r
         _tables(results), "", "![maps of held-out shapes images, the planted object outlined]"
         "(assets/faithfulness/images_examples.png)", "",
         "![positive perturbation curves](assets/faithfulness/images_curves.png)", "", END])
-    text = doc.read_text()
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"mamba_captum: {doc} lacks the image section markers {BEGIN!r} … {END!r}.")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     write_atomically(doc, head + section + tail)

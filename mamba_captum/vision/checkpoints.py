@@ -72,9 +72,16 @@ def read_checkpoint(path) -> dict:
     except Exception as error:  # noqa: BLE001 — any unpickling failure gets the same advice
         raise ValueError(
             f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}). If you trust the file, load it yourself with "
+            f"{_plain_first_line(error)}). If you trust the file, load it yourself with "
             "torch.load(path, weights_only=False) and pass checkpoint['model'] to load_vim.") from None
     return _state_dict_of(checkpoint, path)
+
+
+def _plain_first_line(error) -> str:
+    """The first line of an error's message without terminal escape codes (torch's weights-only refusal makes
+    part of it bold), so the refusal stays plain text in a log or a file."""
+    lines = str(error).splitlines()
+    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", lines[0]) if lines else ""
 
 
 def _state_dict_of(checkpoint, source) -> dict:

@@ -28,6 +28,8 @@ _WHITE = 255  # the background transparent pixels are composited on (8-bit): whi
 _CONVERTED = ("1", "L", "RGBX", "CMYK", "YCbCr", "LAB", "HSV")  # Pillow's conversion to 8-bit RGB
 _WITH_ALPHA = {"LA": "LA", "La": "LA", "P": "P", "PA": "PA", "RGBA": "RGBA", "RGBa": "RGBA"}  # -> straight alpha
 _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
+# A colour key (PNG's tRNS, a GIF's transparent index read as L): Pillow turns it into alpha for these, as for P
+_KEYED = {"1": "LA", "L": "LA", "RGB": "RGBA"}
 _SIXTEEN_BIT_MAX = 65535
 
 
@@ -44,13 +46,14 @@ def load_image(path):
     full precision.
 
     Raises:
+        TypeError: ``path`` is not a path.
         FileNotFoundError: no file at ``path``.
         ImageError: (a ValueError) the file is not an image, holds more than :data:`MAX_PIXELS` pixels, or values
             outside its mode's range.
     """
     from PIL import Image
 
-    name = repr(os.fspath(path))
+    name = repr(_path_or_refused(path, "load_image", "a path (str or os.PathLike)"))
     with _open_bounded(path) as opened:
         image = _scaled(_decoded(opened, name), name)
     if image.mode == "F":
@@ -71,6 +74,7 @@ def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std
     EXIF orientation is applied. A file is checked against :data:`MAX_PIXELS` from its header, before decoding.
 
     Raises:
+        TypeError: ``image`` is neither a path nor a PIL image (an array or a tensor).
         FileNotFoundError: no file at the path.
         ImageError: (a ValueError) a file that is not an image, an image over the pixel budget or whose resize
             would be, or values outside the mode's range.
@@ -83,7 +87,7 @@ def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std
         _resize_plan(image.size, height, width, crop_pct, name)
         image = _scaled(image, name)
     else:
-        name = repr(os.fspath(image))
+        name = repr(_path_or_refused(image, "preprocess", "a path (str or os.PathLike) or a PIL.Image.Image"))
         with _open_bounded(image) as opened:
             # from the header, before decoding (an EXIF turn swaps the sides: the resized size is the same)
             _resize_plan(opened.size, height, width, crop_pct, name)
@@ -108,6 +112,18 @@ def to_display(pixels: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np
         pixels = pixels[0]
     image = pixels.detach().float().cpu() * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
     return image.clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def _path_or_refused(path, function, accepted):
+    """``os.fspath(path)``, or a one-line TypeError naming what was given and what ``function`` takes."""
+    if isinstance(path, (str, bytes, os.PathLike)):
+        return os.fspath(path)
+    given = type(path).__qualname__ if type(path).__module__ == "builtins" else \
+        f"{type(path).__module__}.{type(path).__qualname__}"
+    if hasattr(path, "shape") and hasattr(path, "dtype"):  # numpy, torch: the pixels, not a file
+        given += f" of shape {tuple(path.shape)} and dtype {path.dtype}"
+    raise TypeError(f"mamba_captum: {function} takes {accepted}, not a {given}; for pixels you already hold, pass "
+                    "preprocess a PIL image of them (PIL.Image.fromarray on an (H, W, 3) uint8 array).")
 
 
 def _open_bounded(path):
@@ -148,6 +164,36 @@ def _decoded(opened, name):
 
 def _scaled(image, name):
     """``image`` as Pillow's RGB (8 bits a channel) or F (grey, floats in [0, 1]): each mode at its own scale."""
+    mode = image.mode
+    key = image.info.get("transparency")
+    if key is not None and mode not in _WITH_ALPHA:  # an alpha channel (or P's palette) already says it
+        if mode in _KEYED:
+            try:
+                image, mode = image.convert(_KEYED[mode]), _KEYED[mode]  # composited on white below
+            except (ValueError, TypeError) as error:  # a key that is not this mode's colour
+                raise ImageError(f"mamba_captum: {name} has a transparent colour {key!r} that Pillow cannot "
+                                 f"apply to mode {mode!r} ({error}); composite it yourself and pass the PIL "
+                                 "image.") from None
+        elif (mode in _SIXTEEN_BIT or mode in ("I", "F")) and isinstance(key, (int, float)):
+            return _keyed_on_white(_scaled_opaque(image, name), np.asarray(image) == key)
+        else:
+            raise ImageError(f"mamba_captum: {name} has Pillow mode {mode!r} with a transparent colour {key!r}, "
+                             "which the library does not apply; composite it on a background yourself (or drop "
+                             "image.info['transparency']) and pass the PIL image.")
+    return _scaled_opaque(image, name)
+
+
+def _keyed_on_white(grey, transparent):
+    """A float grey image (mode F) with its ``transparent`` pixels white (1.0), at full precision."""
+    from PIL import Image
+
+    values = np.array(grey, dtype=np.float32)
+    values[transparent] = 1.0
+    return Image.fromarray(values, "F")
+
+
+def _scaled_opaque(image, name):
+    """:func:`_scaled` past the transparent colour (``info["transparency"]``), which it has applied."""
     from PIL import Image
 
     mode = image.mode
