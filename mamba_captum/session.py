@@ -15,10 +15,16 @@ Concurrency guarantees (docs/robustness.md):
   (its recomputation replays the layers outside the library's hooks, and reentrant checkpointing builds no graph
   to differentiate) and compiled code runs eagerly (tensors inside a compiled graph are not observable by hooks
   or autograd). The forward is the same computation either way; every flag is restored on exit.
+- transformers' "`causal_conv1d_fn` / `selective_scan_fn` is falling back to its reference PyTorch implementation"
+  warnings are dropped while the library runs its forwards (the library's scans are torch code by design, so they
+  are noise there): a filter of the library's own, on the logger that emits them, added by the first thread to
+  enter and removed by the last (a :class:`SharedPatch`), and acting only on records of threads inside the library.
+  Levels, handlers and the user's own filters are never touched.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 
@@ -160,12 +166,47 @@ def returning_dicts(model: nn.Module):
             config.return_dict = False
 
 
+# -- transformers' kernel-fallback warnings ----------------------------------------------------------------------------
+KERNEL_FALLBACK_LOGGER = "transformers.integrations.hub_kernels"  # where HF logs "... falling back to its reference"
+_KERNEL_FALLBACK_TEXT = "is falling back to its reference PyTorch implementation"
+
+
+def _inside_library() -> list:
+    return thread_state("inside_library", lambda: [0])  # this thread's depth of nested library calls
+
+
+class KernelFallbackFilter(logging.Filter):
+    """Drops HF's kernel-fallback warnings logged by a thread that is inside one of the library's calls."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_inside_library()[0] > 0 and _KERNEL_FALLBACK_TEXT in record.getMessage())
+
+
+_KERNEL_FALLBACK_FILTER = KernelFallbackFilter()
+KERNEL_FALLBACK_QUIET = SharedPatch(  # only our own filter object is added and removed: the user's config stays
+    lambda: logging.getLogger(KERNEL_FALLBACK_LOGGER).addFilter(_KERNEL_FALLBACK_FILTER),
+    lambda _: logging.getLogger(KERNEL_FALLBACK_LOGGER).removeFilter(_KERNEL_FALLBACK_FILTER))
+
+
+@contextlib.contextmanager
+def kernel_fallback_quiet():
+    """Silence transformers' kernel-fallback warnings in this thread while the context is open."""
+    depth = _inside_library()
+    with KERNEL_FALLBACK_QUIET:
+        depth[0] += 1
+        try:
+            yield
+        finally:
+            depth[0] -= 1
+
+
 @contextlib.contextmanager
 def session(model: nn.Module, decoder_layers: nn.Module, forward_func=None):
     """Everything around one of the library's calls on ``model``: the model's lock, what HF forwards change on the
     modules (RWKV's rescaling, RecurrentGemma's cached states) undone, gradient checkpointing off, compiled code
-    eager, and (unless a ``forward_func`` reads the outputs itself) outputs returned as dicts."""
-    with model_lock(decoder_layers), families.preserved_state(model), checkpointing_off(model), \
-            eager_if_compiled(model, forward_func), \
+    eager, transformers' kernel-fallback warnings silenced, and (unless a ``forward_func`` reads the outputs itself)
+    outputs returned as dicts."""
+    with model_lock(decoder_layers), kernel_fallback_quiet(), families.preserved_state(model), \
+            checkpointing_off(model), eager_if_compiled(model, forward_func), \
             (returning_dicts(model) if forward_func is None else contextlib.nullcontext()):
         yield
