@@ -566,6 +566,30 @@ def test_help_lists_the_commands(capsys):
     assert all(name in out for name in cli.COMMANDS)
 
 
+def test_version_prints_the_package_version_and_exits_0():
+    from mamba_captum._version import __version__
+
+    assert run_cli("--version") == (0, f"mamba-captum {__version__}\n", "")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["explain", "--help"], ["explain", "--dtype", "int3"]])
+def test_help_version_and_usage_errors_import_no_library(args):
+    # they answer at once: parsing imports argparse and the CLI's light modules, not torch, transformers or the engine
+    show = ("import sys\nfrom mamba_captum.cli import main\ncode = main(sys.argv[1:])\n"
+            "print(code, *sorted(m for m in sys.modules if m.startswith(('torch', 'transformers', 'mamba_captum.'))))")
+    done = subprocess.run([sys.executable, "-c", show, *args], capture_output=True, text=True)
+    code, *loaded = done.stdout.split("\n")[-2].split()
+    assert int(code) == (2 if "int3" in args else 0), done.stderr
+    assert sorted(loaded) == ["mamba_captum._version", "mamba_captum.cli", "mamba_captum.cli.arguments"]
+
+
+def test_the_parsers_choices_are_the_explain_layers():
+    from mamba_captum.cli.arguments import DTYPE_NAMES, METHOD_NAMES
+    from mamba_captum.explain import DTYPES, METHODS
+
+    assert (DTYPE_NAMES, METHOD_NAMES) == (tuple(DTYPES), tuple(METHODS))
+
+
 @pytest.fixture(scope="module")
 def classifier_dir(tmp_path_factory):
     """A tiny JambaForSequenceClassification checkpoint (3 labels) with the demo tokenizer."""

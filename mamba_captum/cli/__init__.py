@@ -16,12 +16,20 @@ from __future__ import annotations
 
 import sys
 
-from ..attention import ReconstructionError
-from ..checks import NonFiniteError
-from ..explain import UsageError
 from .arguments import COMMANDS, MAX_MAP_PIXELS, build_parser
-# each command under its former name here: _run looks them up at each call (tests replace one)
-from .texts import demo_command as _demo, explain_command as _explain, matrices_command as _matrices
+
+# Parsing the arguments imports only argparse and light modules: the library (torch, transformers) is imported by
+# the command that runs. Each command stays a name of this module (_demo, _explain, _matrices), imported on first
+# use by __getattr__; _run looks it up at each call (tests replace one).
+_COMMAND_FUNCTIONS = {"_demo": "demo_command", "_explain": "explain_command", "_matrices": "matrices_command"}
+
+
+def __getattr__(name):
+    if name in _COMMAND_FUNCTIONS:
+        from . import texts
+
+        return getattr(texts, _COMMAND_FUNCTIONS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv=None) -> int:
@@ -37,7 +45,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as leaving:  # --help (0) and argparse's errors (2): a code, as for the other paths
+    except SystemExit as leaving:  # --help, --version (0) and argparse's errors (2): a code, as for the other paths
         return int(leaving.code or 0)
     if args.command is None:
         parser.print_help()
@@ -57,8 +65,12 @@ def main(argv=None) -> int:
 
 
 def _run(args) -> int:
+    from ..attention import ReconstructionError
+    from ..checks import NonFiniteError
+    from ..explain import UsageError
+
     try:
-        {"demo": _demo, "explain": _explain, "matrices": _matrices}[args.command](args)
+        getattr(sys.modules[__name__], f"_{args.command}")(args)
     except UsageError as error:
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
         return 2

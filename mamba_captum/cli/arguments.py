@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..evaluation.arguments import positive_int
-from ..explain import DTYPES, METHODS
+from .._version import __version__
+
+# Parsing imports only argparse and these light modules (--help, --version and usage errors answer at once): the
+# choices are named here rather than read from mamba_captum.explain, which imports torch and transformers;
+# tests/test_cli.py checks that they are explain's DTYPES and METHODS.
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+METHOD_NAMES = ("raw", "rollout", "attribution", "selection", "lrp")
 
 # The largest side of a `matrices` PNG: 4096² RGB pixels are 48 MiB in memory and seconds to encode; a bigger map
 # shows no more (one entry per token) and would need gigabytes (a 5-token text at --scale 100000 asks for 750 GB).
@@ -16,6 +21,14 @@ COMMANDS = {"demo": "explain the bundled demo model's test sentences and write a
             "explain": "explain texts or a JSONL dataset with a local HF checkpoint directory",
             "matrices": "save each layer's implicit-attention map of a text as a PNG",
             "evaluate": "the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)"}
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of a count or a size: mamba_captum.evaluation.arguments.positive_int, imported when a value is
+    given (the evaluation package imports torch)."""
+    from ..evaluation.arguments import positive_int as check
+
+    return check(text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,11 +51,11 @@ def _common(parser, model_required=True):
                         "is offloaded to disk)")
     parser.add_argument("--offload-folder", type=Path, default=None,
                         help="where disk-offloaded weights go (default: a temporary folder, removed at exit)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights' dtype (default float32)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="weights' dtype (default float32)")
 
 
 def _method_args(parser):
-    parser.add_argument("--method", action="append", choices=list(METHODS),
+    parser.add_argument("--method", action="append", choices=METHOD_NAMES,
                         help="raw, rollout, attribution, selection or lrp; repeat for several (default: every one the "
                         "model supports; raw, rollout and attribution for an image)")
     parser.add_argument("--target", default=None,
@@ -55,6 +68,7 @@ def _method_args(parser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mamba-captum", description="Implicit-attention explanations of Mamba-family models.",
                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mamba-captum {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, text in COMMANDS.items():
         sub = commands.add_parser(name, help=text, description=text, add_help=name != "evaluate")

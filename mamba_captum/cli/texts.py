@@ -16,9 +16,11 @@ from .images import explain_images_command
 from .loading import load_model
 
 
-def _print_summary(explanations, file=sys.stdout, deciding=None, k=3):
-    """Each text's prediction and each method's top-k tokens; with ``deciding`` (one word mask per text, the demo
-    grammar's deciding words) also those words and, at the end, how many of them each method's top k hold."""
+def _print_summary(explanations, file=None, deciding=None, k=3):
+    """Each text's prediction and each method's top-k tokens (to ``file``, default the current ``sys.stdout``); with
+    ``deciding`` (one word mask per text, the demo grammar's deciding words) also those words and, at the end, how
+    many of them each method's top k hold."""
+    file = sys.stdout if file is None else file  # read at the call: stdout may have been replaced since the import
     found, total = {}, 0
     for number, item in enumerate(explanations):
         print(f"{item.text!r}: {item.prediction} (p = {item.probability:.3f}); explained: {item.target}", file=file)
