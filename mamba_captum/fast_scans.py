@@ -38,24 +38,10 @@ The swap is per thread: a dispatcher is installed while any thread is inside ``f
 sends a call to the fast scan only when the calling thread itself is inside ``fast_scans()``; other threads get
 HF's own function.
 
-The swap check: a new transformers release may change what one of these functions computes, and a swapped one
-would then give other numbers without a word. So the first ``fast_scans()`` of the process that needs a swap checks
-it (:func:`check_swap`; once per swap key, under a lock, the result cached for the process):
-
-- HF's function missing (an older or newer transformers, a model file gone): nothing to swap, HF's code runs, no
-  warning;
-- its ``inspect.signature`` must be the parameters the dispatcher forwards (names, order, kinds, defaults), plus
-  only known keywords that leave the result unchanged or that the dispatcher sends to HF;
-- a probe (a few tokens, float64, on the CPU, with every argument the mixers pass: initial states, D skip, Δ bias
-  and softplus, Δ limits, resets) runs through HF's function and through the dispatcher's fast path: the outputs,
-  returned final states and, by one vector-Jacobian product, the gradients of every input must agree to a relative
-  1e-10 where HF computes in float64, 1e-6 for the gradients HF rounds to float32 (Mamba-1, RWKV-4) and 1e-5 for
-  the SSD, which HF computes in float32 (the measured floors are 10-40 times smaller; docs/kernels.md).
-
-A swap that fails stays unswapped for the process, with one :class:`ScanMismatchWarning` naming the function, the
-transformers version and the difference (or the signature, or the error). The check adds 5-11 ms (one CPU thread)
-to the first ``fast_scans()`` of a model, once per swap and process (docs/kernels.md); :func:`swap_checks` lists the
-outcomes, :func:`reset_swap_checks` forgets them.
+The swap check: a new transformers release may change what one of these functions computes, so the first
+``fast_scans()`` of the process that needs a swap checks it against HF's own function (signature and a probe);
+one that fails stays unswapped with a :class:`ScanMismatchWarning` (:mod:`mamba_captum.scan_checks` says what is
+compared and to what tolerance).
 
 The dispatchers, their probes and the registry of swaps are in :mod:`mamba_captum.scan_swaps`, the swap check in
 :mod:`mamba_captum.scan_checks`; their public names are importable from here.

@@ -165,3 +165,12 @@ def check_folder_writable(folder) -> None:
     probe = _probe_name(folder / "write-test")
     probe.touch(exist_ok=False)
     probe.unlink()
+
+
+def json_kind(value) -> str:
+    """The JSON name of a parsed value's type (for messages about a damaged JSON file)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")

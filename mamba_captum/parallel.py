@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import json_kind
+
 
 class ResumeError(ValueError):
     """The output (or a part file) holds results of other jobs than the ones asked for now, or a line that is no
@@ -91,15 +93,6 @@ def _read(path: Path, wanted: set[str], check: Callable[[dict], str | None] | No
 _DAMAGED = "; the file is damaged. Delete it, or start over with --restart (its results are then computed again)."
 
 
-def _json_kind(value) -> str:
-    """The JSON name of a parsed value's type."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
-
-
 def _problem(raw: bytes, wanted: set[str], check) -> tuple[str | None, dict | None]:
     """(what is wrong with one complete line of results, or None; the result)."""
     try:
@@ -111,11 +104,11 @@ def _problem(raw: bytes, wanted: set[str], check) -> tuple[str | None, dict | No
     except json.JSONDecodeError as error:
         return f"not a JSON line ({error.msg} at column {error.colno})" + _DAMAGED, None
     if not isinstance(record, dict):
-        return f"a JSON {_json_kind(record)}, not a result object" + _DAMAGED, None
+        return f"a JSON {json_kind(record)}, not a result object" + _DAMAGED, None
     if "job" not in record:
         return "a result without the \"job\" it was computed for" + _DAMAGED, None
     if not isinstance(record["job"], dict):
-        return f"a result whose \"job\" is a JSON {_json_kind(record['job'])}, not an object" + _DAMAGED, None
+        return f"a result whose \"job\" is a JSON {json_kind(record['job'])}, not an object" + _DAMAGED, None
     if _key(record["job"]) not in wanted:
         return (f"a result of other work than asked for now (job {record['job']!r}); it was written for another "
                 "dataset or with other settings. Choose another output file, delete it, or start over with "

@@ -15,20 +15,13 @@ import json
 import numbers
 from pathlib import Path
 
+from ..files import json_kind
+
 GROUPS = ("ours", "ablation", "captum", "random")
 LOCALISATION = ("roc_auc", "precision_at_k", "relevance_mass")
 PERTURBATION = ("auac", "au_mse", "morf_auc", "lerf_auc")
 CURVES = ("activation", "pruning", "morf", "lerf")
 NO_TRUTH = ("bbc_news",)  # the tasks without planted truth: no localisation scores
-
-
-def _kind(value) -> str:
-    """The JSON name of a parsed value's type."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    return {dict: "object", list: "array", str: "string"}.get(type(value), "number")
 
 
 def _is_number(value) -> bool:
@@ -39,7 +32,7 @@ def row_problem(row, perturbation: bool | None = None) -> str | None:
     """What is wrong with one row, or None. ``perturbation``: whether the run that wrote it scored perturbation
     (None: unknown, the scores need only be all there or all absent)."""
     if not isinstance(row, dict):
-        return f"a row that is a JSON {_kind(row)}, not an object"
+        return f"a row that is a JSON {json_kind(row)}, not an object"
     for key, wanted in (("family", "a string"), ("task", "a string"), ("method", "a string"), ("group", "a string"),
                         ("seconds", "a number"), ("held_out_accuracy", "a number")):
         if key not in row:
@@ -79,7 +72,7 @@ def journal_problem(record: dict) -> str | None:
     checked), or None: the rows must be those of the job's model, with the scores the job asked for."""
     job, rows = record["job"], record.get("rows")
     if not isinstance(rows, list):
-        return "has no 'rows'" if "rows" not in record else f"has 'rows' that is a JSON {_kind(rows)}, not an array"
+        return "has no 'rows'" if "rows" not in record else f"has 'rows' that is a JSON {json_kind(rows)}, not an array"
     if not rows:
         return "has no rows (every model gets one per method)"
     for row in rows:
@@ -131,7 +124,7 @@ def read_image_results(path: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path} is not JSON ({error}); {advice}.") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {_kind(data)}, not the results object; {advice}.")
+        raise ValueError(f"{path} holds a JSON {json_kind(data)}, not the results object; {advice}.")
     for key, kind, fits in (("models", "list", list), ("rows", "list", list), ("command", "string", str)):
         if not isinstance(data.get(key), fits):
             raise ValueError(f"{path} has no {kind} {key!r}; {advice}.")
