@@ -1,7 +1,9 @@
 """One self-contained HTML file (no scripts, no network) for a list of :class:`~mamba_captum.explain.Explanation`:
-a token heatmap per method in Captum's colours, the prediction, per-layer map thumbnails, the settings.
+a token heatmap per method, the prediction, per-layer map thumbnails (token labels on short texts), the settings.
 
 Also a dependency-free PNG writer for the implicit-attention maps (``map_png``), used by ``mamba-captum matrices``.
+Tokens, maps, overlays and legends all speak one colour language, Captum's (:mod:`mamba_captum.palette`): green
+positive, red negative, white zero.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import zlib
 import torch
 
 from ._version import __version__
+from .palette import palette_css, palette_rgb
 from .viz import scale_to_unit
 
 METHOD_TITLES = {"raw": "Raw attention (MambaRawAttention)", "rollout": "Attention rollout (MambaRollout)",
@@ -22,11 +25,9 @@ METHOD_TITLES = {"raw": "Raw attention (MambaRawAttention)", "rollout": "Attenti
 
 def captum_colour(score: float) -> str:
     """The CSS colour Captum's ``visualize_text`` gives a score in [-1, 1]: green for positive, red for negative
-    (the same formula as ``captum.attr._utils.visualization._get_color``; the tests compare the two)."""
-    score = max(-1.0, min(1.0, float(score)))
-    if score > 0:
-        return f"hsl(120, 75%, {100 - int(50 * score)}%)"
-    return f"hsl(0, 75%, {100 - int(-40 * score)}%)"
+    (:func:`mamba_captum.palette.palette_css`, the same formula as ``captum.attr._utils.visualization._get_color``;
+    the tests compare the two)."""
+    return palette_css(score)
 
 
 def png_bytes(rgb: torch.Tensor) -> bytes:
@@ -43,15 +44,13 @@ def png_bytes(rgb: torch.Tensor) -> bytes:
 
 
 def map_rgb(matrix: torch.Tensor, scale: int = 1) -> torch.Tensor:
-    """(L, L) map -> (L·scale, L·scale, 3) uint8: white at 0, red for positive, blue for negative entries, each
-    divided by the largest |entry| (a signed map stays signed; the causal upper triangle is white)."""
+    """(L, L) map -> (L·scale, L·scale, 3) uint8 in the palette (:func:`mamba_captum.palette.palette_rgb`) of the
+    entries divided by the largest |entry|: white at 0, green for positive, red for negative entries (a signed map
+    stays signed, a map that is all >= 0, e.g. ``reduce="abs_mean"``, runs white -> green; the causal upper
+    triangle is white)."""
     matrix = torch.as_tensor(matrix).detach().double().cpu()
     peak = matrix.abs().max()
-    unit = (matrix / peak if peak > 0 else matrix).clamp(-1, 1)
-    fade = (1 - unit.abs()) * 255
-    red = torch.where(unit >= 0, torch.full_like(unit, 255.0), fade)
-    blue = torch.where(unit <= 0, torch.full_like(unit, 255.0), fade)
-    rgb = torch.stack([red, fade, blue], -1).round().to(torch.uint8)
+    rgb = palette_rgb(matrix / peak if peak > 0 else matrix)
     if scale > 1:
         rgb = rgb.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
     return rgb
@@ -64,6 +63,55 @@ def map_png(matrix: torch.Tensor, scale: int = 1) -> bytes:
 
 def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+# token labels on a map thumbnail up to this many tokens: a label needs a row of about 12 CSS px to be read (10 px
+# type), and 32 × 12 px = 384 px keeps two labelled maps side by side in the report's width; longer texts would
+# give rows too thin to label (or maps wider than the page), so their maps stay 140 px and unlabelled
+MAX_LABELLED_TOKENS = 32
+LABEL_ROW_PX = 12  # the least height of a labelled row / width of a labelled column
+THUMB_PX = 140  # the side of an unlabelled thumbnail (and the least side of a labelled one)
+LABEL_CHARS = 10  # longer tokens are cut to 9 characters and "…" (the whole token on hover)
+
+
+def _label(token) -> str:
+    text = str(token).strip() or repr(str(token))  # a whitespace token shows as its repr, not as nothing
+    short = text if len(text) <= LABEL_CHARS else text[:LABEL_CHARS - 1] + "…"
+    return f"title='{html.escape(str(token), quote=True)}'>{html.escape(short)}"
+
+
+def map_figure(matrix: torch.Tensor, caption: str, tokens=None) -> str:
+    """HTML of one (L, L) map thumbnail (a PNG inlined as a data URI) with its caption; with ``tokens`` (L of them)
+    and L <= :data:`MAX_LABELLED_TOKENS`, the keys are labelled along the top (columns) and the queries down the left
+    (rows), in a CSS grid around the image: one label per row / column, ``class='key'`` and ``class='query'``."""
+    length = torch.as_tensor(matrix).shape[-1]
+    image = _data_uri(map_png(matrix))
+    alt = html.escape(caption, quote=True)
+    if tokens is None or len(tokens) != length or length > MAX_LABELLED_TOKENS:
+        return f"<figure><img alt='{alt} map' src='{image}'><figcaption>{html.escape(caption)}</figcaption></figure>"
+    cell = max(LABEL_ROW_PX, -(-THUMB_PX // length))  # px per token: at least 12, the image at least 140 px
+    side = cell * length
+    keys = "".join(f"<span class='key' {_label(token)}</span>" for token in tokens)
+    queries = "".join(f"<span class='query' style='grid-row: {row + 2}' {_label(token)}</span>"
+                      for row, token in enumerate(tokens))
+    return (f"<figure><div class='map' style='grid-template-columns: auto repeat({length}, {cell}px); "
+            f"grid-template-rows: auto repeat({length}, {cell}px)'><span class='corner'></span>{keys}"
+            f"<img alt='{alt} map' src='{image}' style='width: {side}px; height: {side}px; grid-row: 2 / span "
+            f"{length}; grid-column: 2 / span {length}'>{queries}</div>"
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+
+
+def legend_html(subject: str) -> str:
+    """The one legend of every report: the sign convention, once, with swatches of the palette at -1, 0 and 1 and
+    its ramp (a CSS gradient through the same three colours; each half of the palette is a straight line in RGB,
+    as a gradient is). ``subject`` says what is scaled."""
+    swatches = " ".join(f'<mark class="token" style="background-color: {palette_css(v)}">{name}</mark>'
+                        for v, name in ((-1, "negative"), (0, "zero"), (1, "positive")))
+    ramp = ", ".join(palette_css(v) for v in (-1, 0, 1))
+    return ("<p class='legend'>Colours, Captum's, the same for tokens, maps and overlays: <strong>green</strong> "
+            "raises the explained score (positive relevance; in a map, a positive weight), <strong>red</strong> lowers "
+            f"it (negative), white is zero. {subject}: {swatches} <span class='ramp-end'>-1</span><span class='ramp' "
+            f"style='background: linear-gradient(to right, {ramp})'></span><span class='ramp-end'>+1</span></p>")
 
 
 def token_heatmap(tokens, scores) -> str:
@@ -84,6 +132,14 @@ mark.token { padding: 0.1em 0.25em; line-height: 2; border-radius: 0.2em; color:
 .thumbs { display: flex; flex-wrap: wrap; gap: 1em; } .thumbs figure { margin: 0; text-align: center; }
 .thumbs img { width: 140px; height: 140px; image-rendering: pixelated; border: 1px solid #ccc; }
 .legend mark { margin-right: 0.5em; } table.settings td { padding: 0.1em 0.8em; } .note { color: #555; }
+.ramp { display: inline-block; width: 10em; height: 0.9em; margin: 0 0.3em; vertical-align: middle;
+        border: 1px solid #ccc; } .ramp-end { font-size: 0.8em; color: #555; }
+.map { display: grid; font-size: 10px; line-height: 1; color: #333; }
+.map span { overflow: hidden; white-space: nowrap; }
+.thumbs .map img { border: none; outline: 1px solid #ccc; }
+.map .key { writing-mode: vertical-rl; transform: rotate(180deg); justify-self: center; align-self: end;
+            max-height: 6em; padding-top: 2px; }
+.map .query { grid-column: 1; justify-self: end; align-self: center; max-width: 6em; padding-right: 3px; }
 """
 
 
@@ -95,13 +151,11 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
     settings.setdefault("mamba-captum", __version__)
     rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>"
                    for k, v in settings.items())
-    legend = " ".join(f'<mark class="token" style="background-color: {captum_colour(v)}">{name}</mark>'
-                      for v, name in ((-1, "negative"), (0, "neutral"), (1, "positive")))
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
              f"<table class='settings'>{rows}</table>",
-             f"<p class='legend'>Relevance, scaled per method by its largest |value| (hover a token for the raw "
-             f"score): {legend}</p>"]
+             legend_html("Relevance is scaled per method, and each map, by its largest |value| (hover a token for "
+                         "its raw score)")]
     for number, item in enumerate(explanations, start=1):
         parts.append(f"<section class='example'><h2>{number}. {html.escape(item.text)}</h2>"
                      f"<p>Prediction: <b>{html.escape(item.prediction)}</b> (p = {item.probability:.3f}); explained: "
@@ -112,11 +166,13 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
                          f"<td>{token_heatmap(item.shown(), scores)}</td></tr>")
         parts.append("</table>")
         if item.layer_maps:
-            parts.append("<p class='note'>Per-layer implicit attention (channel mean; row = query, column = key; "
-                         "red positive, blue negative):</p><div class='thumbs'>")
+            tokens = item.shown()
+            labelled = len(tokens) <= MAX_LABELLED_TOKENS
+            parts.append("<p class='note'>Per-layer implicit attention (channel mean; row = query, column = key"
+                         + ("" if labelled else f"; no token labels: {len(tokens)} tokens, more than the "
+                            f"{MAX_LABELLED_TOKENS} that fit") + "):</p><div class='thumbs'>")
             for layer, matrix in item.layer_maps.items():
-                parts.append(f"<figure><img alt='layer {layer} map' src='{_data_uri(map_png(matrix))}'>"
-                             f"<figcaption>layer {layer}</figcaption></figure>")
+                parts.append(map_figure(matrix, f"layer {layer}", tokens if labelled else None))
             parts.append("</div>")
         parts.append("</section>")
     parts.append("</body></html>")
@@ -124,15 +180,17 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
 
 
 def overlay_rgb(image, relevance) -> torch.Tensor:
-    """An image (H, W, 3) in [0, 1] with its (H, W) relevance laid over it: red for positive, blue for negative,
-    opacity growing with |relevance| / its largest |value| (at most 0.75). Returns (H, W, 3) uint8."""
+    """An image (H, W, 3) in [0, 1] with its (H, W) relevance laid over it in the palette
+    (:func:`mamba_captum.palette.palette_rgb`): the palette's green (score 1) where positive, its red (score -1)
+    where negative, with opacity 0.75 · |relevance| / its largest |value| (untouched where 0). On a white image
+    this is the palette's colour of 0.75 · the scaled score (to within its 1 % lightness steps). Returns
+    (H, W, 3) uint8."""
     image = torch.as_tensor(image, dtype=torch.float64)
     relevance = torch.as_tensor(relevance, dtype=torch.float64)
     peak = relevance.abs().max()
     unit = relevance / peak if peak > 0 else relevance
     alpha = (0.75 * unit.abs())[..., None]
-    colour = torch.where(unit[..., None] >= 0, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64),
-                         torch.tensor([0.0, 0.2, 1.0], dtype=torch.float64))
+    colour = palette_rgb(unit.sign()).double() / 255  # each half of the palette: white -> this end colour
     return ((image * (1 - alpha) + colour * alpha) * 255).round().clamp(0, 255).to(torch.uint8)
 
 
@@ -151,9 +209,8 @@ def render_image_html(explanations, *, title: str = "mamba-captum report") -> st
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}{IMAGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
              f"<table class='settings'>{rows}</table>",
-             "<p class='legend'>Relevance laid over each image, scaled per method by its largest |value|: "
-             "<mark class='token' style='background-color: rgb(255, 64, 64)'>positive</mark> "
-             "<mark class='token' style='background-color: rgb(64, 96, 255)'>negative</mark></p>"]
+             legend_html("Relevance is laid over each image, scaled per method by its largest |value|, opaque "
+                         "up to 75 %")]
     for number, item in enumerate(explanations, start=1):
         image = torch.as_tensor(item.image, dtype=torch.float64)
         parts.append(f"<section class='example'><h2>{number}. {html.escape(item.path)}</h2>"
