@@ -13,12 +13,13 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API docs (mkdocst
     from .checks import NonFiniteError
     from .families import SUPPORTED_MIXERS
     from .fast_scans import fast_scans
+    from .tokens import UnknownTokenWarning
     from .viz import as_hf_attentions, to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "ConservationError", "NonFiniteError",
            "SharedAttentionKey", "LayerPartKey", "SUPPORTED_MIXERS", "MambaAttribution", "MambaLRP",
            "MambaSelectionAttribution", "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans",
-           "to_visualization_record", "as_hf_attentions"]
+           "to_visualization_record", "as_hf_attentions", "UnknownTokenWarning"]
 
 # Each public name -> the module that defines it. They are imported on first use (PEP 562), not by
 # ``import mamba_captum``: the engine imports torch and transformers (seconds), and the ``mamba-captum`` command's
@@ -28,7 +29,7 @@ _HOMES = {"implicit_attention": ".attention", "build_operators": ".attention", "
           "ConservationError": ".attr", "MambaAttribution": ".attr", "MambaLRP": ".attr",
           "MambaSelectionAttribution": ".attr", "MambaRawAttention": ".attr", "MambaRollout": ".attr",
           "RWKVAttribution": ".attr", "fast_scans": ".fast_scans", "SUPPORTED_MIXERS": ".families",
-          "to_visualization_record": ".viz", "as_hf_attentions": ".viz"}
+          "to_visualization_record": ".viz", "as_hf_attentions": ".viz", "UnknownTokenWarning": ".tokens"}
 
 
 def __getattr__(name):

@@ -40,7 +40,8 @@ class AttributionCallback(TrainerCallback):
 
     Args:
         texts: probe texts (needs ``tokenizer`` or the Trainer's ``processing_class``); or None to take the first
-            ``probes`` examples of ``eval_dataloader`` (their ``input_ids`` / ``attention_mask``).
+            ``probes`` examples of ``eval_dataloader`` (their ``input_ids`` / ``attention_mask``). Words of the
+            texts that the tokenizer does not know are named in an UnknownTokenWarning when training begins.
         tokenizer: the tokenizer (default: the Trainer's ``processing_class``).
         every: explain on the first evaluation and every ``every``-th after it (1 = each; 2 = the 1st, 3rd, ...).
         method: the explained methods' names (``"raw"``, ``"rollout"``, ``"attribution"``, ``"selection"``,

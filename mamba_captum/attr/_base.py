@@ -171,8 +171,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
 
         Args:
             inp: a :class:`captum.attr.TextTokenInput`, or prompt ids (1, Lp).
-            target: the generated text (str, tokenised without special tokens) or its ids; None generates it
-                greedily with ``model.generate(prompt, **gen_args)`` (default ``max_new_tokens=25``).
+            target: the generated text (str, tokenised without special tokens; refused, ValueError, if a word of
+                it is not in the tokenizer's vocabulary) or its ids; None generates it greedily with
+                ``model.generate(prompt, **gen_args)`` (default ``max_new_tokens=25``).
             tokenizer: needed for str targets and token names when ``inp`` is not a ``TextTokenInput``.
             **kwargs: the method's own options (e.g. MambaAttribution's ``gradient_rule``), and keywords for the
                 model's forward over prompt + target (e.g. ``position_ids`` of shape (1, Lp + T); they need an
@@ -180,6 +181,9 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         Returns:
             ``LLMAttributionResult`` with ``token_attr`` (T, n_input_tokens), ``seq_attr`` = its sum over the T
             generated tokens, ``output_probs`` (T,) the probabilities of the generated tokens.
+        Warns:
+            :class:`~mamba_captum.UnknownTokenWarning` when the prompt (with a tokenizer to tell) holds the unknown
+            token: words not in the vocabulary, each explained as that one stand-in.
         """
         if self._runner.image_model:
             raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "

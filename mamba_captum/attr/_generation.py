@@ -7,13 +7,16 @@ from captum.attr import LLMAttributionResult, TextTokenInput
 
 from ..checks import index_list
 from ..session import session
+from ..tokens import unknown_id, unknown_words, warn_unknown_ids
 
 
 def generation_queries(model, runner, inp, target, tokenizer, gen_args):
     """Prompt ids (1, Lp), full ids (1, Lp + T), target ids (T,), tokenizer, kept prompt positions (Lp,) bool.
 
     ``runner``: the method's :class:`~mamba_captum.attr._runner.Runner` (its ``forward_func`` and
-    ``decoder_layers``)."""
+    ``decoder_layers``). A prompt holding the tokenizer's unknown token gets an
+    :class:`~mamba_captum.tokens.UnknownTokenWarning` (a ``TextTokenInput`` does not keep its text: the positions
+    are named); a str target with an unknown token is refused (ValueError)."""
     if runner.forward_func is not None:
         raise TypeError("mamba_captum: attribute_generation explains a *ForCausalLM model's next-token logits; "
                         "it does not take forward_func.")
@@ -27,6 +30,8 @@ def generation_queries(model, runner, inp, target, tokenizer, gen_args):
         raise TypeError("mamba_captum: inp must be a captum TextTokenInput or prompt token ids (1, Lp).")
     if prompt.shape[0] != 1:
         raise ValueError(f"mamba_captum: attribute_generation explains one prompt; got a batch of {prompt.shape[0]}.")
+    if tokenizer is not None:  # stacklevel 3: the warning points at the caller of attribute_generation
+        warn_unknown_ids(tokenizer, prompt[0], "the prompt", stacklevel=3)
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     if target is None:
@@ -39,12 +44,27 @@ def generation_queries(model, runner, inp, target, tokenizer, gen_args):
         if tokenizer is None:
             raise ValueError("mamba_captum: a str target needs a tokenizer (pass tokenizer= or a TextTokenInput).")
         target_ids = torch.tensor(tokenizer.encode(target, add_special_tokens=False), device=device)
+        _refuse_unknown_target(tokenizer, target, target_ids)
     else:
         target_ids = torch.tensor(index_list(target, "target"), dtype=torch.long, device=device)
     if target_ids.numel() == 0:
         raise ValueError("mamba_captum: the target has no tokens.")
     full = torch.cat([prompt, target_ids[None]], dim=1)
     return prompt, full, target_ids, tokenizer, keep.to(device)
+
+
+def _refuse_unknown_target(tokenizer, target: str, target_ids) -> None:
+    """A str target must be spelled with the vocabulary: an unknown token in it would explain the stand-in's
+    probability, not the target's (several tokens are fine: the target is a sequence)."""
+    token_id = unknown_id(tokenizer)
+    if token_id is None or token_id not in target_ids.tolist():
+        return
+    words = [w for w in unknown_words(tokenizer, target, add_special_tokens=False) if w is not None]
+    standing = f", standing for {', '.join(map(repr, words))}" if words else ""
+    raise ValueError(f"mamba_captum: the target {target!r} is not in the tokenizer's vocabulary: it tokenizes to "
+                     f"{tokenizer.convert_ids_to_tokens(target_ids.tolist())}, with the unknown token "
+                     f"{tokenizer.unk_token!r}{standing}; give a target of words in the vocabulary, or its token "
+                     "ids (target=[...]).")
 
 
 def token_names(ids, tokenizer) -> list[str]:

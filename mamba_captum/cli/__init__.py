@@ -7,7 +7,8 @@
 
 Problems with what was asked (a missing directory, a damaged checkpoint, an unsupported model, an unusable device,
 an empty or too-long text, an unknown target; docs/cli.md lists them) are one line on stderr and exit code 2, with no
-traceback; Ctrl-C is one line and exit code 130.
+traceback; Ctrl-C is one line and exit code 130. Words of a text that the tokenizer does not know (they became its
+unknown token) are one ``warning:`` line on stderr per text, and the run goes on.
 
 ``main`` is here; the parser is in ``arguments``, the commands in ``texts`` and ``images``, the files they read and
 write in ``files``, the loading of the checkpoint in ``loading``.
@@ -15,6 +16,7 @@ write in ``files``, the loading of the checkpoint in ``loading``.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from .arguments import COMMANDS, MAX_MAP_PIXELS, build_parser
 
@@ -57,11 +59,33 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
     transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
     try:
-        return _run(args)
+        with warnings.catch_warnings():  # the filters and showwarning are put back on the way out, too
+            _warn_in_one_line(args.command)
+            return _run(args)
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
+
+
+def _warn_in_one_line(command: str) -> None:
+    """Inside ``warnings.catch_warnings()``: each UnknownTokenWarning becomes one line on stderr, ``mamba-captum
+    <command>: warning: ...``, once per message (its text is named in it: once per text, though a text is tokenized
+    both to check it and to explain it); other warnings are shown as before."""
+    from ..tokens import UnknownTokenWarning
+
+    shown, show = set(), warnings.showwarning
+
+    def one_line(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, UnknownTokenWarning):
+            return show(message, category, filename, lineno, file, line)
+        text = str(message).removeprefix("mamba_captum: ")
+        if text not in shown:
+            shown.add(text)
+            print(f"mamba-captum {command}: warning: {text}", file=sys.stderr)
+
+    warnings.simplefilter("always", UnknownTokenWarning)  # this run's own once-per-text rule, above
+    warnings.showwarning = one_line
 
 
 def _run(args) -> int:

@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from ..tokens import warn_unknown_words
 from .loading import UsageError, is_classifier
 
 
@@ -123,7 +124,10 @@ def resolve_target(model, tokenizer, target, words, candidates=None) -> int | No
 
 
 def encode_text(model, tokenizer, text: str) -> torch.Tensor:
-    """``text`` -> (1, L) ids, refusing an empty result or more tokens than the model allows (:class:`UsageError`)."""
+    """``text`` -> (1, L) ids, refusing an empty result or more tokens than the model allows (:class:`UsageError`).
+
+    Words of ``text`` that the tokenizer does not know (they became its unknown token) are named in a
+    :class:`~mamba_captum.tokens.UnknownTokenWarning`: the explanation can only score the stand-in."""
     if not isinstance(text, str):
         raise UsageError(f"a text must be a string, not a {type(text).__name__}.")
     if not text.strip():  # it would "explain" the special tokens the tokenizer adds, and nothing else
@@ -143,4 +147,5 @@ def encode_text(model, tokenizer, text: str) -> torch.Tensor:
         top = int(input_ids.max())
         raise UsageError(f"the text has token id {top} ({tokenizer.convert_ids_to_tokens(top)!r}), outside the "
                          f"model's {rows}-token vocabulary: the tokenizer does not belong to this model.")
+    warn_unknown_words(tokenizer, text, stacklevel=2)  # after the refusals: a refused text needs no warning
     return input_ids
