@@ -19,6 +19,8 @@ import mamba_captum.vision.images as images
 from mamba_captum.vision import IMAGENET_MEAN, IMAGENET_STD, load_image, preprocess
 
 EXAMPLES = settings(max_examples=40, deadline=None, derandomize=True, database=None)
+# grey and tiny images are what these tests read: preprocess's notices about them are tested in test_vim_cli.py
+pytestmark = pytest.mark.filterwarnings("ignore::mamba_captum.vision.ImageNotice")
 
 
 def unnormalised(pixels: torch.Tensor) -> numpy.ndarray:
@@ -34,7 +36,7 @@ def loaded(image) -> numpy.ndarray:
             width, height = opened.size
     else:
         width, height = image.size
-    return unnormalised(preprocess(image, size=(height, width), crop_pct=1.0))
+    return unnormalised(preprocess(image, img_size=(height, width), crop_pct=1.0))
 
 
 def grey(values) -> numpy.ndarray:
@@ -189,7 +191,7 @@ def test_a_transparent_colour_is_composited_on_white(tmp_path, label, image, as_
 @pytest.mark.parametrize("mode, key", [("L", 0), ("RGB", (0, 0, 0)), ("1", 0), ("I;16", 0)])
 def test_a_fully_transparent_file_is_white_whatever_its_mode(tmp_path, mode, key):
     path = saved(Image.new(mode, (8, 8)), tmp_path, "clear.png", transparency=key)
-    assert (unnormalised(preprocess(path, size=32)) == 1.0).all()
+    assert (unnormalised(preprocess(path, img_size=32)) == 1.0).all()
 
 
 def test_a_transparent_colour_on_a_mode_without_one_is_refused_in_one_line():
@@ -219,7 +221,7 @@ def test_a_files_exif_orientation_is_applied(tmp_path):
     image = Image.fromarray(stored)
     exif = image.getexif()
     exif[0x0112] = 6
-    got = unnormalised(preprocess(saved(image, tmp_path, "sideways.png", exif=exif), size=(3, 2), crop_pct=1.0))
+    got = unnormalised(preprocess(saved(image, tmp_path, "sideways.png", exif=exif), img_size=(3, 2), crop_pct=1.0))
     assert numpy.allclose(got, grey(numpy.rot90(stored, -1) / 255), atol=1e-6)  # 3 high, 2 wide: no resampling
 
 
@@ -292,10 +294,10 @@ def test_property_a_16_bit_image_resizes_as_its_8_bit_rounding_does(height, widt
     values = generator.integers(16384, 49152, (height, width))
     sixteen = Image.frombytes("I;16", (width, height), values.astype("<u2").tobytes())
     eight = Image.fromarray(numpy.round(values / 257).astype(numpy.uint8))
-    difference = numpy.abs(unnormalised(preprocess(sixteen, size=8)) - unnormalised(preprocess(eight, size=8)))
+    difference = numpy.abs(unnormalised(preprocess(sixteen, img_size=8)) - unnormalised(preprocess(eight, img_size=8)))
     assert difference.max() <= 2 / 255
     full_range = generator.integers(0, 65536, (height, width)).astype("<u2").tobytes()
-    got = unnormalised(preprocess(Image.frombytes("I;16", (width, height), full_range), size=8))
+    got = unnormalised(preprocess(Image.frombytes("I;16", (width, height), full_range), img_size=8))
     assert got.min() >= -1e-6 and got.max() <= 1 + 1e-6
 
 
@@ -332,9 +334,9 @@ def test_an_aspect_ratio_whose_resize_would_explode_is_refused(tmp_path, size):
 def test_the_budget_is_the_documented_constant(tmp_path, monkeypatch):
     monkeypatch.setattr(images, "MAX_PIXELS", 40 * 30 - 1)
     with pytest.raises(images.ImageError, match="40 × 30 = 1,200 pixels, over the budget of 1,199"):
-        preprocess(saved(Image.new("RGB", (40, 30)), tmp_path, "small.png"), size=8)
+        preprocess(saved(Image.new("RGB", (40, 30)), tmp_path, "small.png"), img_size=8)
     monkeypatch.setattr(images, "MAX_PIXELS", 40 * 30)
-    assert preprocess(tmp_path / "small.png", size=8).shape == (1, 3, 8, 8)
+    assert preprocess(tmp_path / "small.png", img_size=8).shape == (1, 3, 8, 8)
 
 
 # -- through the CLI and explain_images ---------------------------------------------------------------------------

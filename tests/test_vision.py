@@ -408,7 +408,7 @@ def test_preprocess_gives_the_models_input(tmp_path):
     image = Image.fromarray((torch.rand(40, 60, 3) * 255).byte().numpy())
     path = tmp_path / "image.png"
     image.save(path)
-    x = preprocess(path, size=32)
+    x = preprocess(path, img_size=32)
     assert x.shape == (1, 3, 32, 32) and x.dtype == torch.float32
     assert to_display(x).shape == (32, 32, 3)
     assert mc.MambaRollout(make_vim()).attribute(x).shape == (1, 1, 32, 32)
@@ -548,7 +548,7 @@ def test_preprocess_follows_torchvisions_resize_and_centre_crop(tmp_path):
     got = preprocess(tmp_path / "wide.png")[0] * torch.tensor([0.229, 0.224, 0.225])[:, None, None] \
         + torch.tensor([0.485, 0.456, 0.406])[:, None, None]
     assert torch.allclose(got.permute(1, 2, 0), expected, atol=1e-6)
-    assert preprocess(tmp_path / "wide.png", size=(32, 48)).shape == (1, 3, 32, 48)
+    assert preprocess(tmp_path / "wide.png", img_size=(32, 48)).shape == (1, 3, 32, 48)
 
 
 # -- property-based: random Vim configs (the property suite's profiles, tests/test_properties.py) -------------------

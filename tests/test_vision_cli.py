@@ -36,7 +36,7 @@ def test_explain_images_gives_pixel_maps_equal_to_the_methods(files):
 
     (item,) = explain_images(model, [str(folder / "a.png")], target=3)
     assert set(item.relevance) == {"raw", "rollout", "attribution"} and item.target == "3"
-    pixels = preprocess(folder / "a.png", size=32)
+    pixels = preprocess(folder / "a.png", img_size=32)
     expected = MambaAttribution(model).attribute(pixels, target=3)[0, 0]
     assert torch.allclose(item.relevance["attribution"], expected)
     assert item.image.shape == (32, 32, 3)
@@ -98,8 +98,9 @@ def test_overlay_colours_the_relevance():
     image = torch.full((2, 2, 3), 0.5, dtype=torch.float64)
     relevance = torch.tensor([[1.0, -1.0], [0.0, 0.5]])
     rgb = overlay_rgb(image, relevance)
-    assert rgb[0, 0].tolist() == [223, 32, 32]  # 0.25 · 0.5 + 0.75 · red
-    assert rgb[0, 1, 2] > 200 and rgb[0, 1, 0] < 50  # blue for negative
+    assert rgb[0, 0].tolist() == [56, 199, 56]  # 0.25 · 0.5 + 0.75 · the palette's green (32, 223, 32) / 255
+    assert rgb[0, 1].tolist() == [204, 90, 90]  # its red (230, 77, 77) for negative
+    assert rgb[1, 1].tolist() == [92, 163, 92]  # half the relevance: 0.375 opaque
     assert rgb[1, 0].tolist() == [128, 128, 128]  # untouched where the relevance is 0
 
 

@@ -3,6 +3,7 @@ parses its own, mamba_captum.evaluation.report)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from .._version import __version__
@@ -31,6 +32,16 @@ def positive_int(text: str) -> int:
     return check(text)
 
 
+def model_path(text: str) -> str:
+    """argparse ``type=`` of --model: the path as given; ``demo``, unless a file or folder of that name is here, is
+    the bundled demo model's folder (mamba_captum.demo.model_dir())."""
+    if text == "demo" and not os.path.lexists(text):
+        from ..demo import model_dir
+
+        return str(model_dir())
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own errors: one line, exit 2 (argparse prints usage first)
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -38,8 +49,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(parser, model_required=True):
     if model_required:
-        parser.add_argument("--model", required=True, help="a local HF checkpoint directory (save_pretrained); "
-                            "with --image, a Vision Mamba checkpoint file (.pth)")
+        parser.add_argument("--model", required=True, type=model_path,
+                            help="a local HF checkpoint directory (save_pretrained), or demo: the bundled demo model; "
+                            "with --image, a Vision Mamba checkpoint file (.pth; a training.json beside it gives "
+                            "the image size and class names)")
     parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default cpu; under "
                         "accelerate launch with cuda, each process its own GPU)")
@@ -62,7 +75,7 @@ def _method_args(parser):
                         help="what to explain: a label word / token, or an id (default: the prediction)")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="a causal LM's candidate answer tokens (default: config.label_words if set); with "
-                        "--image, the class names in class order")
+                        "--image, the class names in class order (default: the checkpoint's training.json)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
             source.add_argument("--image", action="append", type=Path,
                                 help="an image file (PNG, JPEG, ...) to explain with a Vim checkpoint (repeatable)")
             sub.add_argument("--img-size", type=positive_int, default=None,
-                             help="with --image: the Vim's training image size, if not 224")
+                             help="with --image: the Vim's training image size (default: the img_size of the "
+                             "training.json beside the checkpoint, else 224)")
             sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
             sub.add_argument("--jsonl", type=Path, default=None,
                              help="the results as JSONL (default with --dataset: DATASET.explained.jsonl); with "

@@ -1,7 +1,16 @@
-"""``mamba-captum explain --image``: explain image files with a Vision Mamba checkpoint file."""
+"""``mamba-captum explain --image``: explain image files with a Vision Mamba checkpoint file.
+
+What the library says in Python words (``img_size=``) is said here in the CLI's (``--img-size``); its
+:class:`~mamba_captum.vision.ImageNotice` warnings (a grayscale image copied to RGB, a small image upscaled, an
+--img-size that differs from training.json's) are one line each on stderr.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import sys
+import warnings
 from pathlib import Path
 
 from ..explain import UsageError
@@ -25,19 +34,29 @@ def explain_images_command(args):
             raise UsageError(f"no image file at {str(image)!r}.")
     if args.device_map is not None:
         raise UsageError("--device-map loads HF checkpoints; a Vision Mamba file is loaded on --device.")
+    if Path(args.model).is_dir():
+        raise UsageError(f"--model {args.model!r} is a folder (an HF checkpoint, which explains --text); --image needs "
+                         "a Vision Mamba checkpoint file (.pth).")
     device = "cpu" if args.device is None else args.device
-    model = load_vim_file(args.model, device=device, dtype=args.dtype, img_size=args.img_size)
+    with _notices():
+        try:
+            model = load_vim_file(args.model, device=device, dtype=args.dtype, img_size=args.img_size)
+        except UsageError as error:
+            raise UsageError(cli_words(str(error))) from None
     if args.labels:  # class names, in class order
         if len(args.labels) != model.num_classes:
             raise UsageError(f"--labels gives {len(args.labels)} names for a model of {model.num_classes} classes.")
         model.class_names = list(args.labels)
-    explanations = explain_images(model, [str(p) for p in args.image], target=args.target,
-                                  methods=args.method or ("raw", "rollout", "attribution"),
-                                  formulation=args.formulation)
+    with _notices():
+        explanations = explain_images(model, [str(p) for p in args.image], target=args.target,
+                                      methods=args.method or ("raw", "rollout", "attribution"),
+                                      formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = f"{Path(args.model).name} ({item.settings['model']})"
         peaks = {name: _peak_patch(scores) for name, scores in item.relevance.items()}
-        print(f"{item.path}: class {item.prediction} (p = {item.probability:.3f}); explained: {item.target}; "
+        explained = item.target if item.target == item.prediction else \
+            f"{item.target} ({probability_text(item.target_probability)})"
+        print(f"{item.path}: class {item.prediction} ({probability_text(item.probability)}); explained: {explained}; "
               "most relevant pixel (row, column): " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
     if args.jsonl is not None:
         write_atomically(args.jsonl, "".join(json.dumps(item.to_dict()) + "\n" for item in explanations))
@@ -47,6 +66,43 @@ def explain_images_command(args):
         print(f"report: {args.out}")
 
 
+def cli_words(text: str) -> str:
+    """A library message in the CLI's words: the keyword ``img_size=`` is the option ``--img-size``; a hint to pass
+    ``stride=`` is dropped (the CLI has no --stride: it loads models whose patches leave no gaps, as released Vims)."""
+    text = re.sub(r", or pass stride=[^;.]*", "", text)
+    return re.sub(r"\bimg_size=(?=\w)", "--img-size ", text).replace("img_size=", "--img-size")
+
+
+@contextlib.contextmanager
+def _notices():
+    """The :class:`ImageNotice` warnings of the block as one line each on stderr (even when the block fails: the
+    notice may explain the error); other warnings as Python shows them."""
+    from ..vision.images import ImageNotice
+
+    caught = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ImageNotice)  # each image's notice, not only the first of a kind
+            yield
+    finally:
+        for warning in caught:
+            if issubclass(warning.category, ImageNotice):
+                text = cli_words(str(warning.message).removeprefix("mamba_captum: "))
+                print(f"mamba-captum explain: note: {text}", file=sys.stderr)
+            else:
+                warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+
+
 def _peak_patch(scores) -> tuple[int, int]:
     flat = int(scores.abs().argmax())
     return divmod(flat, scores.shape[-1])
+
+
+def probability_text(p: float) -> str:
+    """``p = 0.873``; a probability that three decimals would show as 1.000 or 0.000 as ``p > 0.999`` / ``p < 0.001``
+    (a trained classifier is often that sure, and "1.000" reads as certainty it does not have)."""
+    if p >= 0.9995:
+        return "p > 0.999"
+    if p < 0.0005:
+        return "p < 0.001"
+    return f"p = {p:.3f}"

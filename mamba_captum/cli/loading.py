@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from ..explain import UsageError
 
@@ -31,10 +32,26 @@ def parse_max_memory(text: str | None):
     return sizes
 
 
+def _file_for_texts(args, path: str) -> str:
+    """Why a file given as --model cannot explain texts, and what to give instead."""
+    if Path(path).suffix.lower() in (".pth", ".pt"):
+        if args.command == "matrices":
+            return (f"--model {path!r} is a Vision Mamba checkpoint file (.pth), which explains images, not texts: "
+                    f"`matrices` needs an HF checkpoint directory; explain images with `mamba-captum explain --model "
+                    f"{path} --image FILE`.")
+        given = "--dataset" if getattr(args, "dataset", None) is not None else "--text"
+        return (f"--model {path!r} is a Vision Mamba checkpoint file (.pth): it explains --image files, not "
+                f"{given}; give --image FILE, or an HF checkpoint directory as --model for texts.")
+    return (f"--model {path!r} is a file, not a checkpoint directory: give the folder written by save_pretrained "
+            "(with --image, a Vision Mamba .pth file).")
+
+
 def load_model(args, model_dir):
     """The checkpoint on --device, or dispatched by accelerate with --device-map."""
     from ..explain import load
 
+    if Path(model_dir).is_file():  # a text command needs a folder; say what the file is for
+        raise UsageError(_file_for_texts(args, str(model_dir)))
     if args.device_map is not None and args.device is not None:
         raise UsageError("give --device or --device-map, not both (--device-map places every layer itself).")
     device = "cpu" if args.device is None else args.device

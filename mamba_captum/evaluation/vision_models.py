@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..vision import load_vim, vim_tiny
+from ..vision import load_vim, read_training_record, vim_tiny
 from .images import IMAGE_SIZE, ImageTask, load_digits, make_shapes
 from .models import one_thread, weights_root
 
@@ -98,7 +98,9 @@ def train_vim(task_name: str, seed: int = 0, max_steps: int = 3000, batch: int =
         record = dict(family="vim", task=task_name, seed=seed, steps=steps, train_seconds=round(seconds, 1),
                       validation_accuracy=validation_accuracy, held_out_accuracy=vision_accuracy(model, test),
                       held_out_examples=len(test), parameters=sum(p.numel() for p in model.parameters()),
-                      config=dict(TINY_VIM, num_classes=classes), lr=lr, batch=batch,
+                      config=dict(TINY_VIM, num_classes=classes),
+                      crop_pct=1.0,  # trained on whole 32×32 images: preprocess must not crop a file's border
+                      lr=lr, batch=batch,
                       class_names=list(validation.class_names), target_accuracy=target_accuracy)
     return model, record
 
@@ -117,9 +119,11 @@ def save_vim(model, record: dict, root: Path | None = None) -> Path:
 
 
 def load_trained_vim(task_name: str, root: Path | None = None):
-    """(model, record) of the shipped tiny Vim for ``task_name`` (loaded with :func:`load_vim`)."""
-    folder = vim_folder(task_name, root)
-    record = json.loads((folder / "training.json").read_text())
-    model = load_vim(folder / "vim.pth", img_size=record["config"]["img_size"])
-    model.class_names = record.get("class_names")
-    return model, record
+    """(model, record) of the shipped tiny Vim for ``task_name``: :func:`load_vim` reads the image size and the
+    class names from the ``training.json`` beside ``vim.pth``."""
+    checkpoint = vim_folder(task_name, root) / "vim.pth"
+    record = read_training_record(checkpoint)
+    if record is None:
+        raise FileNotFoundError(f"mamba_captum: no training.json beside {str(checkpoint)!r}; train the model with "
+                                "python -m mamba_captum.evaluation.vision --train.")
+    return load_vim(checkpoint), record

@@ -52,7 +52,9 @@ class ImageExplanation:
 
 
 def load_vim_file(path, *, device: str = "cpu", dtype: str = "float32", img_size: int | None = None):
-    """An official-format Vim checkpoint file -> the model in eval mode on ``device``. Errors are :class:`UsageError`."""
+    """An official-format Vim checkpoint file -> the model in eval mode on ``device`` (a ``training.json`` beside it
+    gives the image size and the class names, as for :func:`mamba_captum.vision.load_vim`). Errors are
+    :class:`UsageError`."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"no Vim checkpoint file at {str(path)!r}; pass a .pth file (the weights under 'model').")
@@ -121,7 +123,8 @@ def explain_images(model, images, *, target=None, methods=tuple(METHODS), formul
             name = paths[number] if paths else f"image {number + 1}"
         else:
             try:
-                pixels = preprocess(image, size=size if size[0] != size[1] else size[0])
+                # the model's evaluation transform: its size, and the crop its training.json names (0.875 else)
+                pixels = preprocess(image, img_size=size, crop_pct=getattr(model, "crop_pct", None))
             except (FileNotFoundError, ValueError) as error:
                 raise UsageError(str(error).removeprefix("mamba_captum: ")) from None
             name = str(image) if isinstance(image, (str, Path)) else f"image {number + 1}"

@@ -127,6 +127,9 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=N
     from safetensors import SafetensorError
 
     path = Path(model_dir)
+    if path.is_file():  # a Vision Mamba .pth most often: it has its own loader
+        raise UsageError(f"{str(path)!r} is a file, not a checkpoint directory: load() reads a folder written by "
+                         "save_pretrained (a Vision Mamba .pth file loads with mamba_captum.vision.load_vim).")
     if not path.is_dir():
         raise UsageError(f"model directory {str(path)!r} does not exist; pass a folder written by save_pretrained.")
     if not (path / "config.json").is_file():

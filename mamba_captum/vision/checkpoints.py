@@ -3,16 +3,23 @@
 ``vim_tiny`` / ``vim_small`` / ``vim_base`` build the official architectures (stride 16; ``stride=8`` for the
 stride-8 variants); :func:`load_vim` reads an official ``.pth`` file (the weights under ``"model"``, as published
 under hustvl/ on the hub) or a state dict, detects the variant from the tensors' shapes and loads it key for key.
+A ``training.json`` beside the file (:func:`read_training_record`; the record mamba_captum's training writes) gives
+the image size and the class names.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
+import warnings
+from pathlib import Path
 
 import torch
 
+from ..files import json_kind
+from .images import ImageNotice
 from .modeling_vim import VisionMamba
 
 # The official registered names (timm) of the released models and their sizes; all bimamba v2, middle CLS token,
@@ -28,6 +35,7 @@ VARIANTS = {
         dict(embed_dim=768, stride=16),
 }
 _DEFAULTS = dict(img_size=224, patch_size=16, depth=24, d_state=16, num_classes=1000, cls_position="middle")
+TRAINING_RECORD = "training.json"  # the record beside a checkpoint file: image size, class names
 
 
 def _build(embed_dim: int, overrides: dict) -> VisionMamba:
@@ -116,8 +124,13 @@ def _stride(patches: int, patch, img_size, stride, guessed_size: bool) -> int:
         return patch_h
     if no_gaps:
         return max(no_gaps)
-    hint = "pass img_size= (the training image size)" if guessed_size else \
-        "pass stride= too if the model was trained with gaps between patches"
+    grid = math.isqrt(patches)  # the size a square grid of non-overlapping patches needs, as a suggestion
+    fitting = f"; {grid * patch_h} fits {grid} × {grid} patches without overlap" \
+        if grid * grid == patches and patch_h == patch_w else ""
+    hint = f"{'pass' if guessed_size else 'check'} img_size= (the training image size{fitting})"
+    if fits and not guessed_size:  # only strides with gaps give the count at this size
+        hint += (f", or pass stride= ({' or '.join(map(str, fits))} "
+                 f"fit{'s' if len(fits) == 1 else ''}) if the model was trained with gaps between patches")
     raise ValueError(f"mamba_captum: no stride without gaps gives {where} (the position embeddings' count); {hint}.")
 
 
@@ -200,27 +213,101 @@ def load_state_dict_strictly(model: VisionMamba, state: dict) -> None:
     model.load_state_dict(state)
 
 
+def read_training_record(checkpoint) -> dict | None:
+    """The ``training.json`` beside the checkpoint file ``checkpoint`` (a JSON object: the record mamba_captum's
+    training writes, or your own), or None when there is none.
+
+    The fields :func:`load_vim` reads are checked: ``img_size`` (under ``"config"``, or at the top): a positive int
+    or [height, width]; ``crop_pct``: a number in (0, 1], the share of the resized image the evaluation transform
+    keeps (1: the model was trained on whole images); ``class_names``: a list of strings, in class order. Read them with :func:`recorded_img_size`
+    and ``record.get("class_names")``.
+
+    Raises:
+        ValueError: one line naming the file: not UTF-8 JSON, not an object, or one of those fields of another kind.
+    """
+    file = Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD)
+    if not file.is_file():
+        return None
+    fix = "fix it or remove it (it is read for the image size and the class names)"
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"mamba_captum: {str(file)!r} is not valid JSON ({error.msg}, line {error.lineno}); "
+                         f"{fix}.") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"mamba_captum: {str(file)!r} cannot be read as UTF-8 text ({error}); {fix}.") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"mamba_captum: {str(file)!r} holds a JSON {json_kind(record)}, not an object; {fix}.")
+    config = record.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"mamba_captum: {str(file)!r} has a 'config' that is a JSON {json_kind(config)}, not an "
+                         f"object; {fix}.")
+    size = recorded_img_size(record)
+    if size is not None and not _is_size(size):
+        raise ValueError(f"mamba_captum: {str(file)!r} has an 'img_size' of {json.dumps(size)}, not a positive "
+                         f"integer or [height, width]; {fix}.")
+    crop = record.get("crop_pct")
+    if crop is not None and not (isinstance(crop, (int, float)) and not isinstance(crop, bool) and 0 < crop <= 1):
+        raise ValueError(f"mamba_captum: {str(file)!r} has a 'crop_pct' of {json.dumps(crop)}, not a number in "
+                         f"(0, 1]; {fix}.")
+    names = record.get("class_names")
+    if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"mamba_captum: {str(file)!r} has 'class_names' that are not a list of strings; {fix}.")
+    return record
+
+
+def recorded_img_size(record: dict):
+    """The image size a training record gives (``record["config"]["img_size"]``, else ``record["img_size"]``), or
+    None."""
+    config = record.get("config")
+    if isinstance(config, dict) and "img_size" in config:
+        return config["img_size"]
+    return record.get("img_size")
+
+
+def _is_size(value) -> bool:
+    positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
+    return positive(value) or (isinstance(value, list) and len(value) == 2 and all(map(positive, value)))
+
+
 def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> VisionMamba:
     """Build the Vim that ``checkpoint`` was trained as and load its weights, key for key; eval mode.
 
     Args:
         checkpoint: a path to an official ``.pth`` file (weights under ``"model"``), a state dict, or a dict with
-            the state dict under ``"model"``.
-        img_size: the image size the model was trained at (224 unless given; an int or (height, width)): with
-            the number of position embeddings it fixes the stride (16 or 8 for the released models).
+            the state dict under ``"model"``. A ``training.json`` beside the file (:func:`read_training_record`)
+            gives ``img_size`` when it is not passed, the class names (``model.class_names``) and the evaluation
+            crop (``model.crop_pct``).
+        img_size: the image size the model was trained at (default: training.json's, else 224; an int or
+            (height, width)): with the number of position embeddings it fixes the stride (16 or 8 for the released
+            models). One that differs from training.json's is used, with an :class:`ImageNotice` warning.
         dtype: the model's dtype (default: the stored dtype of the patch embedding).
         device: where to put the model (default: CPU).
         **overrides: :class:`VisionMamba` arguments the weights cannot tell, e.g. ``cls_position="first"``.
 
+    Returns:
+        the :class:`VisionMamba`; ``model.img_size`` (height, width) is what :func:`preprocess` takes.
+
     Raises:
         ValueError: naming every missing or unexpected key and shape mismatch, the tensors that are not floating
             point (integer weights: not a model checkpoint, or a quantized one), a dtype that is not floating point
-            (or why the file is not a checkpoint).
+            (or why the file is not a checkpoint); a damaged training.json, or class names that are not one a class.
     """
+    record = None
     if isinstance(checkpoint, (str, os.PathLike)):
+        record = read_training_record(checkpoint)
         state = read_checkpoint(checkpoint)
     else:
         state = _state_dict_of(checkpoint, "the given dict")
+    recorded = recorded_img_size(record) if record is not None else None
+    if recorded is not None:
+        recorded = recorded if isinstance(recorded, int) else tuple(recorded)
+        if img_size is None:
+            img_size = recorded
+        elif _pair(img_size) != _pair(recorded):
+            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
+            warnings.warn(f"mamba_captum: img_size={img_size} differs from the img_size {recorded} in {file!r}; "
+                          f"using img_size={img_size}.", ImageNotice, stacklevel=2)
     config = {**detect_config(state, img_size, overrides.get("stride")), **overrides}
     check_float_weights(state)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -234,6 +321,15 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
     model = model.to(dtype)
     load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
+    names = record.get("class_names") if record is not None else None
+    if names is not None:
+        if len(names) != config["num_classes"]:
+            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
+            raise ValueError(f"mamba_captum: {file!r} has {len(names)} class_names for a model of "
+                             f"{config['num_classes']} classes; fix it or remove the names.")
+        model.class_names = list(names)
+    if record is not None and record.get("crop_pct") is not None:
+        model.crop_pct = float(record["crop_pct"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

@@ -1,10 +1,13 @@
 """Image files in, pixel tensors out: the evaluation transform of the official Vim models (DeiT / timm's).
 
-``preprocess(path)``: the pixels in [0, 1] (every Pillow mode at its own scale: 8-bit, 16-bit, float; transparency
-composited on white; see ``docs/vision.md``), shorter side resized to ``int(size / crop_pct)`` (bicubic), centre crop
-``size`` (as torchvision's Resize and CenterCrop compute them), normalised with ImageNet's mean and std ->
-(1, 3, size, size) float32. ``to_display`` undoes the normalisation for
-``captum.attr.visualization.visualize_image_attr`` (an (H, W, 3) array in [0, 1]).
+``preprocess(path, img_size=model.img_size)``: the pixels in [0, 1] (every Pillow mode at its own scale: 8-bit,
+16-bit, float; transparency composited on white; see ``docs/vision.md``), shorter side resized to
+``int(img_size / crop_pct)`` (bicubic), centre crop ``img_size`` (as torchvision's Resize and CenterCrop compute them),
+normalised with ImageNet's mean and std -> (1, 3, img_size, img_size) float32. ``to_display`` undoes the
+normalisation for ``captum.attr.visualization.visualize_image_attr`` (an (H, W, 3) array in [0, 1]).
+
+What changes what the model sees without being an error (a grayscale image replicated to RGB, an image smaller than
+the model's input upscaled) is said with an :class:`ImageNotice` warning, one per image.
 
 Files are bounded before their pixels are decoded: an image over :data:`MAX_PIXELS` pixels, or one whose resize
 would make an image over it (a 1 × 30000 strip), is refused with an :class:`ImageError`.
@@ -31,11 +34,21 @@ _SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 # A colour key (PNG's tRNS, a GIF's transparent index read as L): Pillow turns it into alpha for these, as for P
 _KEYED = {"1": "LA", "L": "LA", "RGB": "RGBA"}
 _SIXTEEN_BIT_MAX = 65535
+# Pillow's single-channel modes: the one channel becomes R, G and B (an ImageNotice says so)
+_GREY = ("1", "L", "LA", "La", "I", "F", *_SIXTEEN_BIT)
 
 
 class ImageError(ValueError):
     """An image the library will not read: not an image, over the pixel budget, or values it cannot scale to
     [0, 1]. The message names the problem and the fix; the CLI prints it as one line (exit code 2)."""
+
+
+class ImageNotice(UserWarning):
+    """What :func:`preprocess` did to fit an image to the model that changes what the model sees, without being an
+    error: a grayscale image's channel copied to R, G and B; an image smaller than the model's input upscaled to
+    it. Also :func:`mamba_captum.vision.load_vim` given an ``img_size=`` that differs from the checkpoint's
+    ``training.json``. The CLI prints each as one line on stderr; ``warnings.simplefilter("ignore", ImageNotice)``
+    silences them."""
 
 
 def load_image(path):
@@ -61,17 +74,25 @@ def load_image(path):
     return image
 
 
-def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+def preprocess(image, img_size=None, crop_pct: float | None = None, mean=IMAGENET_MEAN, std=IMAGENET_STD, *,
+               model=None, size=None):
     """An image (a path or a PIL image) -> normalised pixels (1, 3, H, W), float32.
 
-    As torchvision's ``Resize(int(size / crop_pct), BICUBIC)`` then ``CenterCrop(size)`` (the official evaluation
-    transform): the shorter side to ``int(size / crop_pct)``, the longer one truncated in proportion, the centre
-    crop's offsets rounded. ``crop_pct=1`` resizes the whole image to ``size`` × ``size``; a ``(height, width)``
-    size (a model trained on non-square images) resizes to it without cropping.
+    ``preprocess(path, model=vim)`` prepares an image for a loaded Vim: its ``img_size`` and ``crop_pct``
+    (:func:`load_vim` reads both from the training.json beside a checkpoint). Otherwise ``img_size``: the input
+    size, an int or (height, width), default 224; ``crop_pct`` default 0.875 (the official models'); given
+    explicitly, either wins over the model's. ``size=`` is ``img_size``'s old name (a FutureWarning).
+
+    As torchvision's ``Resize(int(img_size / crop_pct), BICUBIC)`` then ``CenterCrop(img_size)`` (the official
+    evaluation transform): the shorter side to ``int(img_size / crop_pct)``, the longer one truncated in proportion,
+    the centre crop's offsets rounded. ``crop_pct=1`` resizes the whole image to ``img_size`` × ``img_size``; a
+    non-square ``(height, width)`` (a model trained on non-square images) resizes to it without cropping.
 
     Before normalisation the pixels are in [0, 1], each Pillow mode at its own scale (16-bit grey by 65535, float
     images as they are; docs/vision.md lists every mode); transparent pixels are composited on white; a file's
     EXIF orientation is applied. A file is checked against :data:`MAX_PIXELS` from its header, before decoding.
+    A grayscale image (its channel copied to R, G and B) and one smaller than ``img_size`` on a side (upscaled:
+    the model sees interpolated pixels) are accepted with an :class:`ImageNotice` warning.
 
     Raises:
         TypeError: ``image`` is neither a path nor a PIL image (an array or a tensor).
@@ -81,17 +102,37 @@ def preprocess(image, size=224, crop_pct: float = 0.875, mean=IMAGENET_MEAN, std
     """
     from PIL import Image
 
-    height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    if size is not None:  # the old name, kept working for a while
+        if img_size is not None:
+            raise TypeError("mamba_captum: preprocess got img_size= and size=, its old name; give img_size= only.")
+        warnings.warn("mamba_captum: preprocess(size=) is now preprocess(img_size=), the name load_vim uses; "
+                      "size= will be removed.", FutureWarning, stacklevel=2)
+        img_size = size
+    if model is not None:
+        if not hasattr(model, "img_size") or not hasattr(model, "crop_pct"):
+            raise TypeError(f"mamba_captum: preprocess(model=) takes a Vision Mamba (load_vim's), not a "
+                            f"{type(model).__name__}; give img_size= (and crop_pct=) instead.")
+        img_size = tuple(model.img_size) if img_size is None else img_size
+        crop_pct = model.crop_pct if crop_pct is None else crop_pct
+    img_size = 224 if img_size is None else img_size
+    crop_pct = 0.875 if crop_pct is None else crop_pct
+    if isinstance(img_size, tuple) and len(img_size) == 2 and img_size[0] == img_size[1]:
+        img_size = int(img_size[0])  # a square model: the shorter-side resize and centre crop, as for an int
+    height, width = (img_size, img_size) if isinstance(img_size, int) else (int(img_size[0]), int(img_size[1]))
     if isinstance(image, Image.Image):
         name = "the image"
         _resize_plan(image.size, height, width, crop_pct, name)
+        mode = image.mode
         image = _scaled(image, name)
     else:
         name = repr(_path_or_refused(image, "preprocess", "a path (str or os.PathLike) or a PIL.Image.Image"))
         with _open_bounded(image) as opened:
             # from the header, before decoding (an EXIF turn swaps the sides: the resized size is the same)
             _resize_plan(opened.size, height, width, crop_pct, name)
-            image = _scaled(_decoded(opened, name), name)
+            decoded = _decoded(opened, name)
+            mode = decoded.mode
+            image = _scaled(decoded, name)
+    _notices(name, mode, image.size, height, width)
     resized, crop = _resize_plan(image.size, height, width, crop_pct, name)  # the EXIF orientation applied
     image = image.resize(resized, Image.BICUBIC)
     if crop is not None:
@@ -112,6 +153,19 @@ def to_display(pixels: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np
         pixels = pixels[0]
     image = pixels.detach().float().cpu() * torch.tensor(std)[:, None, None] + torch.tensor(mean)[:, None, None]
     return image.clamp(0, 1).permute(1, 2, 0).numpy()
+
+
+def _notices(name, mode, image_size, height, width):
+    """An :class:`ImageNotice` for a grayscale image and for one smaller than the model's input (warned from the
+    caller of :func:`preprocess`)."""
+    if mode in _GREY:
+        warnings.warn(f"mamba_captum: {name} is grayscale (Pillow mode {mode!r}): its channel was copied to R, G and "
+                      "B, as the model reads colour images.", ImageNotice, stacklevel=3)
+    w, h = image_size
+    if w < width or h < height:
+        warnings.warn(f"mamba_captum: {name} is {w} × {h} pixels, smaller than the model's input of {width} × "
+                      f"{height}: it was upscaled (bicubic), so the model sees interpolated pixels.", ImageNotice,
+                      stacklevel=3)
 
 
 def _path_or_refused(path, function, accepted):

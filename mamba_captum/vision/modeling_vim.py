@@ -69,7 +69,8 @@ class PatchEmbed(nn.Module):
         height, width = pixel_values.shape[-2:]
         if (height, width) != self.img_size:
             raise ValueError(f"mamba_captum: the image is {height}×{width}; this model takes "
-                             f"{self.img_size[0]}×{self.img_size[1]} (resize it, or build the model with img_size=).")
+                             f"{self.img_size[0]}×{self.img_size[1]} (resize it, e.g. with "
+                             "preprocess(image, img_size=model.img_size)).")
         return self.proj(pixel_values).flatten(2).transpose(1, 2)
 
 
@@ -168,7 +169,15 @@ class VisionMamba(nn.Module):
         norm_epsilon, residual_in_fp32, if_divide_out: as the official model.
 
     ``forward(pixel_values)`` -> logits (B, num_classes). :meth:`token_layout` says where the tokens are.
+
+    Attributes: ``img_size`` (height, width), the input size; ``crop_pct``, the share of the resized image the
+    evaluation transform keeps (0.875, the official models'; 1 for a model trained on whole images);
+    ``preprocess(path, model=model)`` uses both. ``class_names``: the classes' names in class order, or None.
+    ``load_vim`` reads ``crop_pct`` and ``class_names`` from the training.json beside a checkpoint.
     """
+
+    class_names = None  # set per model (load_vim, from training.json beside the checkpoint)
+    crop_pct = 0.875  # the official evaluation transform's; load_vim takes training.json's
 
     def __init__(self, img_size=224, patch_size=16, stride=16, depth=24, embed_dim=192, d_state=16, d_conv=4,
                  expand=2, dt_rank="auto", channels=3, num_classes=1000, cls_position="middle",
@@ -213,6 +222,11 @@ class VisionMamba(nn.Module):
             nn.init.kaiming_uniform_(mixer.out_proj.weight, a=math.sqrt(5))
             with torch.no_grad():
                 mixer.out_proj.weight /= math.sqrt(depth)
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        """The input image size (height, width): what :func:`mamba_captum.vision.preprocess` takes as ``img_size``."""
+        return self.patch_embed.img_size
 
     # -- where the tokens are -----------------------------------------------------------------------------------
     def cls_index(self) -> int | None:
