@@ -186,7 +186,7 @@ def test_captum_colours_are_captums():
 def test_png_round_trip_and_map_colours():
     matrix = torch.tensor([[2.0, 0.0], [-1.0, 0.5]])
     rgb = map_rgb(matrix)
-    assert rgb.tolist() == [[[255, 0, 0], [255, 255, 255]], [[128, 128, 255], [255, 191, 191]]]
+    assert rgb.tolist() == [[[32, 223, 32], [255, 255, 255]], [[242, 166, 166], [201, 247, 201]]]  # Captum's
     assert torch.equal(read_png(png_bytes(rgb)), rgb)
     big = read_png(map_png(matrix, scale=3))
     assert big.shape == (6, 6, 3) and torch.equal(big[::3, ::3], rgb)
@@ -214,6 +214,9 @@ def test_demo_command_prints_top_tokens_and_writes_the_report(tmp_path):
     for method in ("raw", "rollout", "attribution", "selection", "lrp"):
         assert out.count(f" {method}: ") == len(DEMO_TEXTS), method
     assert out.count("deciding: ") == len(DEMO_TEXTS) and "deciding: not, good (by the grammar)" in out
+    # the saturated probability is shown as such, and said why, with the query token and LRP's scale
+    assert "'the plot was not good': negative (p > 0.999); explained: negative\n" in out and "p = 1.000" not in out
+    assert out.startswith("The bundled demo model") and "query token [SENTIMENT]" in out and "logit units" in out
     # the closing count: the deciding words among each method's printed top 3, in method order
     (count,) = [line for line in out.splitlines() if line.startswith("deciding words among each method's top 3")]
     total = sum(sum(grammar.deciding_words(text)) for text in DEMO_TEXTS)
@@ -230,7 +233,7 @@ def test_explain_command_text_and_dataset(tmp_path, capsys):
     code, out, err = run_cli("explain", "--model", DEMO, "--text", "the plot was not good", "--target", "positive",
                              "--method", "attribution", "--jsonl", str(tmp_path / "one.jsonl"))
     assert code == 0, err
-    assert "negative (p = " in out and "explained: positive" in out and "rollout" not in out
+    assert "negative (p > 0.999); explained: positive (p < 0.001)" in out and "rollout" not in out
     (row,) = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     assert list(row["relevance"]) == ["attribution"] and row["target"] == "positive"
 
@@ -705,3 +708,10 @@ def test_explain_and_matrices_on_a_saved_linear_mixer_checkpoint(model_type, tmp
     assert code == 0, err
     explained = len(mc.implicit_attention(load(tmp_path / "model")[0], torch.tensor([[4, 5, 6]])))
     assert len(list((tmp_path / "maps").glob("layer_*.png"))) == explained > 0
+
+
+def test_probability_text_says_saturation_instead_of_rounding_to_certainty():
+    from mamba_captum.cli.images import probability_text
+
+    assert [probability_text(p) for p in (0.87349, 0.9994, 0.9995, 1.0, 0.0005, 0.0004999, 0.0)] == \
+        ["p = 0.873", "p = 0.999", "p > 0.999", "p > 0.999", "p = 0.001", "p < 0.001", "p < 0.001"]

@@ -6,14 +6,38 @@ import json
 import os
 import re
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..explain import UsageError
 from ..files import write_atomically
+from ..tokens import UnknownTokenWarning
 from .arguments import MAX_MAP_PIXELS
 from .files import check_paths, read_dataset, writable_dir, writable_file, write_report
-from .images import explain_images_command
+from .images import explain_images_command, probability_text
 from .loading import load_model
+
+
+DEMO_PREAMBLE = """\
+The bundled demo model: a 2-layer Mamba trained on a sentiment grammar (mamba_captum.demo.grammar). Its tokenizer
+appends the query token [SENTIMENT]; the next-token logits there at "negative" / "positive" are the answer, and p
+is their softmax over those two words. The grammar decides every sentence and the model learnt it (100 % held out),
+so p saturates (p > 0.999): it says which label, not how sure a person would be. Each method's top tokens follow,
+on three scales: raw is the query's row of the implicit attention (the model's own weights, signed); rollout,
+attribution and selection are shares (each text's scores sum to 1); lrp is in logit units (its scores sum to the
+explained logit less the biases), so its numbers are larger, and the query token [SENTIMENT] carries a share.
+"""
+
+
+@contextmanager
+def _warnings_once_checked():
+    """Hold the warnings (unknown words) raised while the inputs are checked; pass them on only once every check
+    passed, so that a refused run stays one error line."""
+    with warnings.catch_warnings(record=True) as held:
+        yield
+    for warning in held:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def _print_summary(explanations, file=None, deciding=None, k=3):
@@ -23,7 +47,10 @@ def _print_summary(explanations, file=None, deciding=None, k=3):
     file = sys.stdout if file is None else file  # read at the call: stdout may have been replaced since the import
     found, total = {}, 0
     for number, item in enumerate(explanations):
-        print(f"{item.text!r}: {item.prediction} (p = {item.probability:.3f}); explained: {item.target}", file=file)
+        explained = item.target if item.target == item.prediction else \
+            f"{item.target} ({probability_text(item.target_probability)})"
+        print(f"{item.text!r}: {item.prediction} ({probability_text(item.probability)}); explained: {explained}",
+              file=file)
         words = None
         if deciding is not None:
             words = {i for i, is_deciding in enumerate(deciding[number]) if is_deciding}
@@ -51,12 +78,14 @@ def demo_command(args):
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
+    print(DEMO_PREAMBLE)
     _print_summary(explanations, deciding=[grammar.deciding_words(text) for text in DEMO_TEXTS])
     write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
 
 
 def explain_command(args):
     from ..explain import encode_text, explain, label_words, resolve_target
+    from ..explain.text import candidate_ids
 
     if args.image:
         return explain_images_command(args)
@@ -91,6 +120,11 @@ def explain_command(args):
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
                    layer_maps=args.out is not None)
     if args.text:
+        with _warnings_once_checked():  # the labels and target, then each text (explain() checks them in turn)
+            words = label_words(model, args.labels)
+            resolve_target(model, tokenizer, args.target, words, candidate_ids(model, tokenizer, words))
+            for text in args.text:
+                encode_text(model, tokenizer, text)
         explanations = explain(model, tokenizer, args.text, target=args.target, **options)
         _print_summary(explanations)
         if jsonl is not None:
@@ -105,23 +139,28 @@ def explain_command(args):
                      target=row["target"] if row.get("target") is not None else args.target,
                      methods=methods, formulation=args.formulation, labels=args.labels) for number, row in rows]
         words = label_words(model, args.labels)
-        for job in jobs:  # every row's target and length, before hours of work
-            try:
-                resolve_target(model, tokenizer, job["target"], words)
-                encode_text(model, tokenizer, job["text"])
-            except UsageError as error:
-                raise UsageError(f"{args.dataset}:{job['line']}: {error}") from None
+        candidates = candidate_ids(model, tokenizer, words)  # the labels, whatever the rows' targets
 
         def work(job):
             (item,) = explain(model, tokenizer, job["text"], target=job["target"], methods=methods,
                               formulation=args.formulation, labels=args.labels, layer_maps=False)
             return item.to_dict()
 
-        try:
-            records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining",
-                               check=explanation_problem)
-        except ResumeError as error:
-            raise UsageError(str(error)) from None
+        with warnings.catch_warnings():
+            if not group.main:  # each process checks every row: the main one alone names the unknown words
+                warnings.simplefilter("ignore", UnknownTokenWarning)
+            with _warnings_once_checked():
+                for job in jobs:  # every row's target and length (and unknown words), before hours of work
+                    try:
+                        resolve_target(model, tokenizer, job["target"], words, candidates)
+                        encode_text(model, tokenizer, job["text"])
+                    except UsageError as error:
+                        raise UsageError(f"{args.dataset}:{job['line']}: {error}") from None
+            try:
+                records = run_jobs(jobs, work, jsonl, group=group, restart=args.restart, progress="explaining",
+                                   check=explanation_problem)
+            except ResumeError as error:
+                raise UsageError(str(error)) from None
         if records is None:  # not the main process: the main one writes the report
             return
         print(f"results: {jsonl} ({len(records)} lines)")
@@ -194,13 +233,14 @@ def matrices_command(args):
                 [("--out-dir", args.out_dir, ("tokens.json",)), ("--offload-folder", args.offload_folder, ())])
     writable_dir(args.out_dir)
     model, tokenizer = load_model(args, args.model)
-    length = encode_text(model, tokenizer, args.text).shape[1]
-    if length * args.scale > MAX_MAP_PIXELS:
-        fitting = MAX_MAP_PIXELS // length
-        advice = (f"use --scale {fitting} or less" if fitting else
-                  f"the text is too long for a map even at --scale 1; give at most {MAX_MAP_PIXELS} tokens")
-        raise UsageError(f"{length} tokens at --scale {args.scale} make maps {length * args.scale} pixels a side; "
-                         f"the most is {MAX_MAP_PIXELS}: {advice}.")
+    with _warnings_once_checked():
+        length = encode_text(model, tokenizer, args.text).shape[1]
+        if length * args.scale > MAX_MAP_PIXELS:
+            fitting = MAX_MAP_PIXELS // length
+            advice = (f"use --scale {fitting} or less" if fitting else
+                      f"the text is too long for a map even at --scale 1; give at most {MAX_MAP_PIXELS} tokens")
+            raise UsageError(f"{length} tokens at --scale {args.scale} make maps {length * args.scale} pixels a "
+                             f"side; the most is {MAX_MAP_PIXELS}: {advice}.")
     (item,) = explain(model, tokenizer, args.text, methods=(), formulation=args.formulation)
     for layer, matrix in item.layer_maps.items():
         # Zamba2's shared attention block has the key "{i}.shared_attention", Inkling's MLP branch "{i}.mlp_sconv"
