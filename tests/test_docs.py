@@ -33,3 +33,26 @@ def test_notebook_runs(path, tmp_path):
     errors = [o for cell in book.cells if cell.cell_type == "code" for o in cell.outputs if o.output_type == "error"]
     assert not errors
     assert all(cell.outputs for cell in book.cells if cell.cell_type == "code" and "print(" in cell.source)
+
+
+# what the README's opening paragraph calls each family of the adapter registry
+README_INTRO_NAMES = {
+    "mamba": ["Mamba,", "Jamba", "FalconH1"], "mamba2": ["Mamba-2", "Bamba", "Zamba2", "NemotronH", "Granite-4"],
+    "rwkv": ["RWKV-4"], "recurrent_gemma": ["Griffin (RecurrentGemma)"], "vim": ["Vision Mamba (Vim)"],
+    "gated_deltanet": ["gated delta-nets", "Qwen3-Next", "Qwen3.5", "OLMo-hybrid", "LaraMini"],
+    "kda": ["KDA", "Kimi Linear", "Bailing hybrid", "GLM-5-Next"], "lightning": ["MiniMax's lightning attention"],
+    "mlstm": ["xLSTM"], "short_conv": ["LFM2 / LFM3's short convolutions"], "zamba": ["Zamba,"],
+    "conv_attention": ["ZAYA"], "vision_short_conv": ["LFM3-VL's vision tower"],
+    "packed_attention": ["LFM3-VL's vision tower"], "inkling": ["Inkling"], "inkling2": ["Inkling2"],
+}
+
+
+def test_readme_opening_names_every_family():
+    """The first paragraph names every family the registry supports (a new family must be named there too)."""
+    from mamba_captum.families.registry import FAMILY_MIXERS
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    opening = " ".join(readme.split("\n\n")[1].split())  # the paragraph after the title, one line
+    assert set(README_INTRO_NAMES) == set(FAMILY_MIXERS)
+    missing = [name for names in README_INTRO_NAMES.values() for name in names if name not in opening]
+    assert not missing, missing
