@@ -12,6 +12,8 @@ linear in the score), so a CSS ``linear-gradient`` through the colours at -1, 0 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 SATURATION = 75  # percent, Captum's
@@ -26,7 +28,9 @@ def _lightness(unit: torch.Tensor) -> torch.Tensor:
 
 def palette_hsl(score: float) -> tuple[int, int, int]:
     """(hue in degrees, saturation %, lightness %) of a score (clipped to [-1, 1]), as Captum's ``_get_color``."""
-    score = max(-1.0, min(1.0, float(score)))  # Python's clip, as Captum's (a NaN becomes 1 there too)
+    score = float(score)
+    # Python's clip, as Captum's; a NaN has no sign: white, as palette_rgb draws it (Captum's clip makes it 1)
+    score = 0.0 if math.isnan(score) else max(-1.0, min(1.0, score))
     hue = POSITIVE_HUE if score > 0 else NEGATIVE_HUE
     return hue, SATURATION, int(_lightness(torch.tensor(score, dtype=torch.float64)))
 

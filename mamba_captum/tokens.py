@@ -14,6 +14,7 @@ Tokenizers are duck-typed (Hugging Face's); nothing here imports torch or transf
 """
 from __future__ import annotations
 
+import json
 import warnings
 
 _SHOWN = 10  # the words a message names; the rest are counted
@@ -26,16 +27,36 @@ class UnknownTokenWarning(UserWarning):
 def unknown_id(tokenizer) -> int | None:
     """The id of the unknown token ``tokenizer`` gives words it lacks, or None when it gives none: no unknown
     token, a fast tokenizer whose model has none (byte-level BPE), or an unknown token that is also the
-    beginning / end of text (GPT-2's ``<|endoftext|>``), which ids cannot tell apart."""
+    beginning / end of text (GPT-2's ``<|endoftext|>``), which ids cannot tell apart.
+
+    A fast tokenizer's own model says which token it produces (its ``unk_token``, a Unigram model's ``unk_id``);
+    that wins over the wrapper's ``unk_token_id``, which may name another token or none."""
     token_id = getattr(tokenizer, "unk_token_id", None)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if model is not None and hasattr(model, "unk_token"):  # WordLevel, WordPiece, BPE
+        if not model.unk_token:
+            return None  # BPE without unk_token: every text is spelled with the vocabulary (byte-level)
+        token_id = backend.token_to_id(model.unk_token)
+    elif model is not None and type(model).__name__ == "Unigram":  # it keeps its unknown id in its serialisation
+        try:
+            token_id = json.loads(backend.to_str())["model"].get("unk_id")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            pass
     if token_id is None:
         return None
-    backend = getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)
-    if backend is not None and hasattr(backend, "unk_token") and not backend.unk_token:
-        return None  # BPE without unk_token: every text is spelled with the vocabulary (byte-level)
     if token_id in (getattr(tokenizer, "bos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         return None
     return int(token_id)
+
+
+def unknown_spelling(tokenizer) -> str | None:
+    """How the vocabulary spells the unknown token :func:`unknown_id` gives (``[UNK]``, ``<unk>``), or None."""
+    token_id = unknown_id(tokenizer)
+    if token_id is None:
+        return None
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    return convert(token_id) if convert is not None else getattr(tokenizer, "unk_token", None)
 
 
 def _id_list(ids) -> list[int]:
@@ -55,11 +76,14 @@ def unknown_positions(tokenizer, ids) -> list[int]:
 
 
 def unknown_words(tokenizer, text: str, *, add_special_tokens: bool = True) -> list[str | None]:
-    """The words of ``text`` that ``tokenizer`` turned into its unknown token, in order, one per unknown token.
+    """The words of ``text`` that ``tokenizer`` turned into its unknown token (in whole or in part), in order, one
+    entry per word.
 
-    A fast tokenizer's offsets give each one's spelling in ``text`` (the unknown token written out in the text
-    itself is not counted); a tokenizer without offsets gives None for each unknown id. ``add_special_tokens`` as
-    for the tokenization being checked (it only adds special tokens, never unknown ones)."""
+    A fast tokenizer's word ids and offsets give each word's spelling in ``text``: a word whose pieces include the
+    unknown token is named whole, once ("pizzaq" for a Unigram vocabulary that only lacks its "q"); the unknown
+    token written out in the text itself is not counted. A tokenizer without offsets gives None for each unknown
+    id. ``add_special_tokens`` as for the tokenization being checked (it only adds special tokens, never unknown
+    ones)."""
     token_id = unknown_id(tokenizer)
     if token_id is None or not text:
         return []
@@ -69,10 +93,29 @@ def unknown_words(tokenizer, text: str, *, add_special_tokens: bool = True) -> l
     except (NotImplementedError, TypeError, ValueError, KeyError):  # a Python ("slow") tokenizer has no offsets
         ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return [None] * _id_list(ids).count(token_id)
-    spelling = getattr(tokenizer, "unk_token", None)
-    words = [text[start:end] for t, (start, end) in zip(_id_list(encoded["input_ids"]), offsets)
-             if t == token_id]
-    return [word for word in words if word != spelling]
+    ids = _id_list(encoded["input_ids"])
+    try:
+        word_ids = encoded.word_ids()
+    except (AttributeError, ValueError, TypeError):
+        word_ids = [None] * len(ids)
+    spans = {}  # word -> (start, end) over all of its pieces
+    for position, (word, (start, end)) in enumerate(zip(word_ids, offsets)):
+        key = position if word is None else ("word", word)
+        first, last = spans.get(key, (start, end))
+        spans[key] = (min(first, start), max(last, end))
+    spelling = unknown_spelling(tokenizer)
+    words, named = [], set()
+    for position, token in enumerate(ids):
+        if token != token_id:
+            continue
+        key = position if word_ids[position] is None else ("word", word_ids[position])
+        if key in named:
+            continue  # one entry per word, however many of its pieces are unknown
+        named.add(key)
+        start, end = spans[key]
+        if text[offsets[position][0]:offsets[position][1]] != spelling:
+            words.append(text[start:end].strip())  # a SentencePiece word's span starts at its space
+    return words
 
 
 def _listing(words: list[str]) -> str:
@@ -96,7 +139,7 @@ def unknown_words_message(tokenizer, text: str, words: list[str | None]) -> str:
     named = [w for w in words if w is not None]
     listed = f": {_listing(named)}" if named else " (this tokenizer gives no offsets to name them)"
     return (f"mamba_captum: in the text {_excerpt(text)}, {count} {what} not in the tokenizer's vocabulary and "
-            f"became its unknown token {tokenizer.unk_token!r}{listed}; the explanation treats "
+            f"became its unknown token {unknown_spelling(tokenizer)!r}{listed}; the explanation treats "
             f"{'it as one unknown word' if count == 1 else 'them as one unknown word each'} (use words of the "
             "vocabulary, or a tokenizer that covers them).")
 
@@ -118,7 +161,7 @@ def warn_unknown_ids(tokenizer, ids, what: str = "the prompt", *, stacklevel: in
         count = len(positions)
         shown = ", ".join(map(str, positions[:_SHOWN])) + (f" and {count - _SHOWN} more" if count > _SHOWN else "")
         warnings.warn(f"mamba_captum: {what} has {count} unknown token{'s' if count > 1 else ''} "
-                      f"{tokenizer.unk_token!r} (position{'s' if count > 1 else ''} {shown} of "
+                      f"{unknown_spelling(tokenizer)!r} (position{'s' if count > 1 else ''} {shown} of "
                       f"{len(_id_list(ids))}): words not in the tokenizer's vocabulary became "
                       f"{'it' if count == 1 else 'them'}, and the explanation treats each as one unknown word (use "
                       "words of the vocabulary, or a tokenizer that covers them).",

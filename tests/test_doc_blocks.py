@@ -22,6 +22,15 @@ def test_hub_blocks_stand_beside_offline_ones():
         assert any(b.path == path and b.info == "python" and not b.needs_hub for b in BLOCKS), path
 
 
+def test_a_hub_mark_needs_a_hub_download_in_the_code(tmp_path):
+    """The mark skips a block only when its code (not a comment) loads a hub checkpoint."""
+    from doc_blocks import Block, check_python
+
+    fake = Block("x.md", 0, "python", '# needs the HF hub\n# from_pretrained("a/b")\nraise SystemExit(1)\n', 1)
+    with pytest.raises(AssertionError, match="loads no hub checkpoint"):
+        check_python(fake, tmp_path)
+
+
 @pytest.mark.parametrize("block", [b for b in BLOCKS if on_first_pages(b)], ids=lambda block: block.name)
 def test_doc_block_runs(block, tmp_path):
     check_block(block, tmp_path)

@@ -148,3 +148,10 @@ def test_matrices_pngs_are_the_palette_of_the_maps(demo, tmp_path, capsys):
         expected = palette_rgb(matrix.double() / matrix.abs().max())
         assert png[::2, ::2].tolist() == expected.tolist(), layer
         assert (png[..., 1] > png[..., 0] + 60).any() and (png[..., 0] > png[..., 1] + 60).any()  # green and red
+
+
+def test_a_nan_score_is_white_in_css_and_in_pixels():
+    from mamba_captum.palette import palette_css, palette_rgb
+
+    assert palette_css(float("nan")) == palette_css(0.0) == "hsl(0, 75%, 100%)"
+    assert palette_rgb(torch.tensor([float("nan")])).tolist() == [[255, 255, 255]]

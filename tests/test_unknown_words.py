@@ -191,3 +191,72 @@ def test_a_byte_level_tokenizer_has_no_unknown_words(byte_level):
         assert encode_text(stub, byte_level, text).shape == (1, len(ids))
         result = mc.MambaAttribution(model).attribute_generation(TextTokenInput(text, byte_level), target=" zebra")
     assert len(result.input_tokens) == len(ids)
+
+
+def _word_level(**wrapper):
+    """A fast word-level tokenizer whose model's unknown token is [UNK] (id 1); ``wrapper``: what the HF wrapper is
+    told (nothing, or another unk_token that it then adds as a new token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1, "the": 2, "was": 3, "good": 4},
+                                         unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, **wrapper)
+
+
+@pytest.mark.parametrize("wrapper", [{}, {"unk_token": "<unk>"}], ids=["no unk_token", "another unk_token"])
+def test_the_backend_says_which_token_is_unknown(wrapper):
+    """The wrapper's unk_token_id may be None or another (added) token: the model's own [UNK] is what the text
+    becomes, so the word is named and a target that reads as it is refused."""
+    from mamba_captum.explain.text import UsageError, resolve_target
+    from mamba_captum.tokens import unknown_id, unknown_spelling
+
+    tokenizer = _word_level(**wrapper)
+    assert tokenizer("the pizza was good")["input_ids"] == [2, 1, 3, 4]
+    assert unknown_id(tokenizer) == 1 and unknown_spelling(tokenizer) == "[UNK]"
+    assert unknown_words(tokenizer, "the pizza was good") == ["pizza"]
+    model = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=len(tokenizer)))
+    with pytest.raises(UsageError, match=r"'pizza' is not in the tokenizer's vocabulary \(it reads as the unknown "
+                                         r"token '\[UNK\]'\)"):
+        resolve_target(model, tokenizer, "pizza", None)
+    assert resolve_target(model, tokenizer, "good", None) == 4
+
+
+def test_a_word_is_named_whole_once_however_many_pieces_are_unknown():
+    """Subword vocabularies lack pieces, not words: 'zzz' as three unknown 'z' pieces is one word, and a
+    SentencePiece word is named without the space its span starts at."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.BPE({"<unk>": 0, "t": 1, "h": 2, "e": 3, "th": 4, "the": 5},
+                                   [("t", "h"), ("th", "e")], unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert tokenizer.convert_ids_to_tokens(tokenizer("the zzz the")["input_ids"]) == \
+        ["the", "<unk>", "<unk>", "<unk>", "the"]
+    assert unknown_words(tokenizer, "the zzz the") == ["zzz"]
+    assert unknown_words(tokenizer, "the thx xthe") == ["thx", "xthe"]
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("▁the", -1.0), ("▁", -2.0), ("t", -3.0)], 0, False))
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace()
+    sentencepiece = tf.PreTrainedTokenizerFast(tokenizer_object=unigram)  # the wrapper knows no unk_token
+    assert unknown_words(sentencepiece, "the burger the") == ["burger"]
+
+
+def test_the_command_keeps_the_filters_of_modules_it_imported():
+    """In a fresh interpreter (here torch is imported already): main() imports torch, whose import registers a
+    filter (TracerWarning); that stays after main() returns, while the command's own filter goes."""
+    import subprocess
+    import sys
+
+    script = """
+import warnings
+from mamba_captum.cli import main
+assert "torch" not in __import__("sys").modules
+assert main(["explain", "--model", "demo", "--text", "the pizza was good", "--method", "raw"]) == 0
+import torch
+from mamba_captum.tokens import UnknownTokenWarning
+print(any(f[2] is torch.jit._trace.TracerWarning for f in warnings.filters),
+      any(f[2] is UnknownTokenWarning for f in warnings.filters), warnings.showwarning.__module__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "True False warnings"

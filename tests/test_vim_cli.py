@@ -275,3 +275,33 @@ def test_the_cli_explains_the_shipped_examples_as_named(capsys):
     for name in NAMES:
         assert f"example-{name}.png: class {name} (p = 0.99" in out or f"example-{name}.png: class {name} (p > 0.999)" \
             in out, out
+
+
+@pytest.mark.parametrize("fields, problem", [
+    ({"class_names": ["ring", "ring", "plus", "cross"]}, r"repeats the class names \['ring'\]"),
+    ({"img_size": 64}, r"gives two image sizes, 32 under 'config' and 64 at the top"),
+    ({"img_size": "32"}, r"gives two image sizes"),
+])
+def test_a_record_that_would_be_read_two_ways_is_refused(bare, fields, problem):
+    record = {**json.loads((SHIPPED / "training.json").read_text()), **fields}
+    (bare.parent / "training.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=problem):
+        load_vim(bare)
+
+
+def test_a_null_size_under_config_falls_back_to_the_top_level_one(bare):
+    record = json.loads((SHIPPED / "training.json").read_text())
+    record["config"]["img_size"], record["img_size"] = None, 32
+    (bare.parent / "training.json").write_text(json.dumps(record))
+    assert quiet(load_vim, bare).img_size == (32, 32)
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"img_size": "224"}, "img_size='224'"), ({"img_size": True}, "img_size=True"),
+    ({"img_size": (32, 32, 3)}, r"img_size=\(32, 32, 3\)"), ({"img_size": 32.5}, "img_size=32.5"),
+    ({"img_size": (32,)}, r"img_size=\(32,\)"), ({"crop_pct": 0}, "crop_pct=0"), ({"crop_pct": 1.5}, "crop_pct=1.5"),
+    ({"crop_pct": float("nan")}, "crop_pct=nan"), ({"crop_pct": "1"}, "crop_pct='1'"),
+])
+def test_preprocess_refuses_a_size_or_crop_it_would_misread(photo, options, problem):
+    with pytest.raises(ValueError, match=problem):
+        preprocess(photo, **options)

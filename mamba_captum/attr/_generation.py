@@ -7,7 +7,7 @@ from captum.attr import LLMAttributionResult, TextTokenInput
 
 from ..checks import index_list
 from ..session import session
-from ..tokens import unknown_id, unknown_words, warn_unknown_ids
+from ..tokens import unknown_id, unknown_spelling, unknown_words, warn_unknown_ids
 
 
 def generation_queries(model, runner, inp, target, tokenizer, gen_args):
@@ -63,7 +63,7 @@ def _refuse_unknown_target(tokenizer, target: str, target_ids) -> None:
     standing = f", standing for {', '.join(map(repr, words))}" if words else ""
     raise ValueError(f"mamba_captum: the target {target!r} is not in the tokenizer's vocabulary: it tokenizes to "
                      f"{tokenizer.convert_ids_to_tokens(target_ids.tolist())}, with the unknown token "
-                     f"{tokenizer.unk_token!r}{standing}; give a target of words in the vocabulary, or its token "
+                     f"{unknown_spelling(tokenizer)!r}{standing}; give a target of words in the vocabulary, or its token "
                      "ids (target=[...]).")
 
 

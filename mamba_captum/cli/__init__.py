@@ -19,6 +19,7 @@ import sys
 import warnings
 
 from .arguments import COMMANDS, MAX_MAP_PIXELS, build_parser
+from .notices import scoped_warnings
 
 # Parsing the arguments imports only argparse and light modules: the library (torch, transformers) is imported by
 # the command that runs. Each command stays a name of this module (_demo, _explain, _matrices), imported on first
@@ -59,8 +60,9 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
     transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
     try:
-        with warnings.catch_warnings():  # the filters and showwarning are put back on the way out, too
-            _warn_in_one_line(args.command)
+        # the filters and showwarning are put back on the way out, too (those of modules imported meanwhile kept)
+        with scoped_warnings() as (_, own):
+            _warn_in_one_line(args.command, own)
             return _run(args)
     finally:
         transformers.logging.set_verbosity(verbosity)
@@ -68,8 +70,8 @@ def main(argv=None) -> int:
             transformers.logging.enable_progress_bar()
 
 
-def _warn_in_one_line(command: str) -> None:
-    """Inside ``warnings.catch_warnings()``: each UnknownTokenWarning becomes one line on stderr, ``mamba-captum
+def _warn_in_one_line(command: str, own: list) -> None:
+    """Inside :func:`~mamba_captum.cli.notices.scoped_warnings` (``own``: its list of the block's filters): each UnknownTokenWarning becomes one line on stderr, ``mamba-captum
     <command>: warning: ...``, once per message (its text is named in it: once per text, though a text is tokenized
     both to check it and to explain it); other warnings are shown as before."""
     from ..tokens import UnknownTokenWarning
@@ -85,6 +87,7 @@ def _warn_in_one_line(command: str) -> None:
             print(f"mamba-captum {command}: warning: {text}", file=sys.stderr)
 
     warnings.simplefilter("always", UnknownTokenWarning)  # this run's own once-per-text rule, above
+    own.append(warnings.filters[0])
     warnings.showwarning = one_line
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..explain import UsageError
 from ..files import write_atomically
 from .files import check_paths, writable_file
+from .notices import scoped_warnings
 
 
 def explain_images_command(args):
@@ -81,8 +82,9 @@ def _notices():
 
     caught = []
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with scoped_warnings(record=True) as (caught, own):
             warnings.simplefilter("always", ImageNotice)  # each image's notice, not only the first of a kind
+            own.append(warnings.filters[0])
             yield
     finally:
         for warning in caught:

@@ -16,6 +16,7 @@ from ..tokens import UnknownTokenWarning
 from .arguments import MAX_MAP_PIXELS
 from .files import check_paths, read_dataset, writable_dir, writable_file, write_report
 from .images import explain_images_command, probability_text
+from .notices import scoped_warnings
 from .loading import load_model
 
 
@@ -34,7 +35,7 @@ explained logit less the biases), so its numbers are larger, and the query token
 def _warnings_once_checked():
     """Hold the warnings (unknown words) raised while the inputs are checked; pass them on only once every check
     passed, so that a refused run stays one error line."""
-    with warnings.catch_warnings(record=True) as held:
+    with scoped_warnings(record=True) as (held, _):
         yield
     for warning in held:
         warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
@@ -146,9 +147,10 @@ def explain_command(args):
                               formulation=args.formulation, labels=args.labels, layer_maps=False)
             return item.to_dict()
 
-        with warnings.catch_warnings():
+        with scoped_warnings() as (_, own):
             if not group.main:  # each process checks every row: the main one alone names the unknown words
                 warnings.simplefilter("ignore", UnknownTokenWarning)
+                own.append(warnings.filters[0])
             with _warnings_once_checked():
                 for job in jobs:  # every row's target and length (and unknown words), before hours of work
                     try:

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ..tokens import warn_unknown_words
+from ..tokens import unknown_id, unknown_spelling, warn_unknown_words
 from .loading import UsageError, is_classifier
 
 
@@ -72,15 +72,18 @@ def _vocab_size(model) -> int:
 
 def _token_id(tokenizer, word: str, vocab_size: int, what: str = "target") -> int:
     """The id of the single vocabulary token ``word`` (its spelling, or the one token it tokenizes to)."""
-    token = tokenizer.convert_tokens_to_ids(word)
-    if token is None or token == tokenizer.unk_token_id and word != tokenizer.unk_token:
+    # the vocabulary itself, not convert_tokens_to_ids: for a token it lacks, that returns the wrapper's
+    # unk_token_id, which may be another token than the one the tokenizer really produces (tokens.unknown_id)
+    token = tokenizer.get_vocab().get(word)
+    unknown = unknown_id(tokenizer)
+    if token is None or token == unknown and word != unknown_spelling(tokenizer):
         pieces = tokenizer.encode(word, add_special_tokens=False)
         if len(pieces) != 1:
             raise UsageError(f"{what} {word!r} is not one token of the vocabulary (it tokenizes to {len(pieces)} "
                              "tokens); pass a single token or its id.")
-        if pieces[0] == tokenizer.unk_token_id:  # a word-level / SentencePiece vocabulary's stand-in for anything
+        if pieces[0] == unknown:  # a word-level / SentencePiece vocabulary's stand-in for anything
             raise UsageError(f"{what} {word!r} is not in the tokenizer's vocabulary (it reads as the unknown token "
-                             f"{tokenizer.unk_token!r}); pass a token of the vocabulary or its id.")
+                             f"{unknown_spelling(tokenizer)!r}); pass a token of the vocabulary or its id.")
         token = pieces[0]
     if not 0 <= token < vocab_size:
         raise UsageError(f"{what} id {token} is outside the vocabulary (0..{vocab_size - 1}).")

@@ -219,8 +219,10 @@ def read_training_record(checkpoint) -> dict | None:
 
     The fields :func:`load_vim` reads are checked: ``img_size`` (under ``"config"``, or at the top): a positive int
     or [height, width]; ``crop_pct``: a number in (0, 1], the share of the resized image the evaluation transform
-    keeps (1: the model was trained on whole images); ``class_names``: a list of strings, in class order. Read them with :func:`recorded_img_size`
-    and ``record.get("class_names")``.
+    keeps (1: the model was trained on whole images); ``class_names``: a list of distinct strings, in class order.
+    Two image sizes that disagree (under ``"config"`` and at the top) are refused. Read them with
+    ``mamba_captum.vision.checkpoints.recorded_img_size(record)``, ``record.get("crop_pct")`` and
+    ``record.get("class_names")``.
 
     Raises:
         ValueError: one line naming the file: not UTF-8 JSON, not an object, or one of those fields of another kind.
@@ -253,6 +255,15 @@ def read_training_record(checkpoint) -> dict | None:
     names = record.get("class_names")
     if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
         raise ValueError(f"mamba_captum: {str(file)!r} has 'class_names' that are not a list of strings; {fix}.")
+    repeated = sorted({name for name in names or [] if names.count(name) > 1})
+    if repeated:  # a name would stand for two classes: a target given by name would pick the first, silently
+        raise ValueError(f"mamba_captum: {str(file)!r} repeats the class names {repeated}; give each class its own "
+                         f"name, or {fix}.")
+    top = record.get("img_size")
+    if isinstance(config, dict) and config.get("img_size") is not None and top is not None \
+            and not (_is_size(top) and _pair(config["img_size"]) == _pair(top)):
+        raise ValueError(f"mamba_captum: {str(file)!r} gives two image sizes, {json.dumps(config['img_size'])} "
+                         f"under 'config' and {json.dumps(top)} at the top; keep one, or {fix}.")
     return record
 
 
@@ -260,7 +271,7 @@ def recorded_img_size(record: dict):
     """The image size a training record gives (``record["config"]["img_size"]``, else ``record["img_size"]``), or
     None."""
     config = record.get("config")
-    if isinstance(config, dict) and "img_size" in config:
+    if isinstance(config, dict) and config.get("img_size") is not None:
         return config["img_size"]
     return record.get("img_size")
 

@@ -116,6 +116,7 @@ def preprocess(image, img_size=None, crop_pct: float | None = None, mean=IMAGENE
         crop_pct = model.crop_pct if crop_pct is None else crop_pct
     img_size = 224 if img_size is None else img_size
     crop_pct = 0.875 if crop_pct is None else crop_pct
+    _check_transform(img_size, crop_pct)
     if isinstance(img_size, tuple) and len(img_size) == 2 and img_size[0] == img_size[1]:
         img_size = int(img_size[0])  # a square model: the shorter-side resize and centre crop, as for an int
     height, width = (img_size, img_size) if isinstance(img_size, int) else (int(img_size[0]), int(img_size[1]))
@@ -145,6 +146,21 @@ def preprocess(image, img_size=None, crop_pct: float | None = None, mean=IMAGENE
     pixels = torch.from_numpy(values).permute(2, 0, 1)
     pixels = (pixels - torch.tensor(mean)[:, None, None]) / torch.tensor(std)[:, None, None]
     return pixels[None].contiguous()
+
+
+def _check_transform(img_size, crop_pct) -> None:
+    """``img_size`` a positive int or a (height, width) pair of them; ``crop_pct`` a number in (0, 1]: anything
+    else would give pixels of another size than asked (``"224"`` read as a pair of '2's) or a division by zero."""
+    def positive(value):
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    pair = isinstance(img_size, (tuple, list)) and len(img_size) == 2 and all(map(positive, img_size))
+    if not (positive(img_size) or pair):
+        raise ValueError(f"mamba_captum: preprocess img_size={img_size!r}: give a positive int or (height, width) "
+                         "of positive ints (the model's input size, e.g. model.img_size).")
+    if isinstance(crop_pct, bool) or not isinstance(crop_pct, (int, float)) or not 0 < crop_pct <= 1:
+        raise ValueError(f"mamba_captum: preprocess crop_pct={crop_pct!r}: give a number in (0, 1], the share of "
+                         "the resized image the centre crop keeps (0.875 for the official models, 1 for no crop).")
 
 
 def to_display(pixels: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np.ndarray:
