@@ -374,3 +374,25 @@ def test_explain_images_sees_a_16_bit_ramp_as_a_ramp(tmp_path):
     ramp = numpy.round(numpy.linspace(0, 65535, 36 * 36)).astype(numpy.uint16).reshape(36, 36)
     (item,) = explain_images(make_vim(), [str(saved(Image.fromarray(ramp), tmp_path, "ramp.png"))], methods="raw")
     assert numpy.allclose(item.image, grey(ramp[2:34, 2:34] / 65535), atol=1e-6)
+
+
+def test_preprocess_from_threads_leaves_the_warning_filters_as_they_were(tmp_path):
+    """Each call refuses Pillow's bomb warning inside catch_warnings, which saves and restores the process's filter
+    list: interleaved across threads it left the "error" filter behind (3 runs of 3 before the lock)."""
+    import threading
+    import warnings
+
+    path = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), "red").save(path)
+    before = list(warnings.filters)
+
+    def work():
+        for _ in range(100):
+            preprocess(path, img_size=32, crop_pct=1)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert warnings.filters == before

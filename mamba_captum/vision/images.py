@@ -15,6 +15,7 @@ would make an image over it (a 1 × 30000 strip), is refused with an :class:`Ima
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -36,6 +37,9 @@ _KEYED = {"1": "LA", "L": "LA", "RGB": "RGBA"}
 _SIXTEEN_BIT_MAX = 65535
 # Pillow's single-channel modes: the one channel becomes R, G and B (an ImageNotice says so)
 _GREY = ("1", "L", "LA", "La", "I", "F", *_SIXTEEN_BIT)
+
+
+_FILTERS_LOCK = threading.Lock()  # see _open_bounded
 
 
 class ImageError(ValueError):
@@ -204,7 +208,10 @@ def _open_bounded(path):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"mamba_captum: no image file at {path!r}.")
     try:
-        with warnings.catch_warnings():  # Pillow's bomb warning: refused here, not printed under the error
+        # Pillow's bomb warning: refused here, not printed under the error. catch_warnings saves and restores the
+        # process's filter list: two threads interleaving it would leave this "error" filter behind for good, so
+        # the library's own calls take turns (the header read only; decoding runs in parallel)
+        with _FILTERS_LOCK, warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
