@@ -63,7 +63,7 @@ from .scan_checks import swap_passes as _swap_passes
 from .scan_swaps import (FLOAT32, FLOAT32_CAST_GRADIENTS, FLOAT64, GRIFFIN_MODULE, PATCHES, RWKV_MODULE,  # noqa: F401
                          SCAN_MODULES, SSD_MODULES, SWAPS, Swap)
 from .scan_swaps import leave as _leave, thread_depth as _thread_depth
-from .session import SharedPatch, thread_state  # noqa: F401
+from .session import SharedPatch, kernel_fallback_quiet, thread_state  # noqa: F401
 
 
 @contextlib.contextmanager
@@ -89,6 +89,8 @@ def fast_scans(model=None):
         keys = [key for key, swap in SWAPS.items() if present.intersection(swap.mixers)]
     depth = _thread_depth()
     with contextlib.ExitStack() as stack:
+        # HF's "falling back to its reference PyTorch implementation" would be wrong here: the fast scans run
+        stack.enter_context(kernel_fallback_quiet())
         for key in keys:
             if not _swap_passes(key):  # absent, or it failed its check (warned once): HF's own function runs
                 continue

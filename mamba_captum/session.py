@@ -183,9 +183,45 @@ class KernelFallbackFilter(logging.Filter):
 
 
 _KERNEL_FALLBACK_FILTER = KernelFallbackFilter()
-KERNEL_FALLBACK_QUIET = SharedPatch(  # only our own filter object is added and removed: the user's config stays
-    lambda: logging.getLogger(KERNEL_FALLBACK_LOGGER).addFilter(_KERNEL_FALLBACK_FILTER),
-    lambda _: logging.getLogger(KERNEL_FALLBACK_LOGGER).removeFilter(_KERNEL_FALLBACK_FILTER))
+
+
+def _quiet_once(logger: logging.Logger):
+    """HF logs the fallback with ``logger.warning_once``, an lru_cache over the message: a call that the filter
+    drops still fills the cache, and the user's own forward after the library's call would never be told. An
+    instance attribute in front of the class's method returns before the cache for a thread inside the library
+    (the user's calls go to the cached method as before); returns the token that ``_loud_once`` takes back."""
+    if "warning_once" in vars(logger):  # someone else's wrapper: leave it, the filter still drops the record
+        return None
+    original = logger.warning_once
+
+    def warning_once(*args, **kwargs):
+        if _inside_library()[0] > 0 and args and _KERNEL_FALLBACK_TEXT in str(args[0]):
+            return None
+        return original(*args, **kwargs)
+
+    logger.warning_once = warning_once
+    return warning_once
+
+
+def _loud_once(logger: logging.Logger, wrapper) -> None:
+    if wrapper is not None and vars(logger).get("warning_once") is wrapper:
+        del logger.warning_once
+
+
+def _install_quiet():
+    logger = logging.getLogger(KERNEL_FALLBACK_LOGGER)
+    logger.addFilter(_KERNEL_FALLBACK_FILTER)
+    return _quiet_once(logger) if hasattr(logger, "warning_once") else None
+
+
+def _uninstall_quiet(wrapper) -> None:
+    logger = logging.getLogger(KERNEL_FALLBACK_LOGGER)
+    logger.removeFilter(_KERNEL_FALLBACK_FILTER)
+    _loud_once(logger, wrapper)
+
+
+# only our own filter object and wrapper are added and removed: the user's logging config stays
+KERNEL_FALLBACK_QUIET = SharedPatch(_install_quiet, _uninstall_quiet)
 
 
 @contextlib.contextmanager

@@ -53,10 +53,25 @@ def test_the_library_logs_no_kernel_fallback_lines_and_leaves_logging_as_it_was(
     mc.implicit_attention(model, ids)
     assert fallback_lines(transformers_log) == []
     assert [logging_config(name) for name in watched] == before
-    logging.Logger.warning_once.cache_clear()  # HF's "once" was spent (silently) inside the library
-    with torch.no_grad():  # the user's own forward, outside the library: transformers' warnings as usual
+    # HF's "once" was not spent inside the library: the user's own forward afterwards is told, as on a process
+    # that never called the library
+    with torch.no_grad():
         model(ids)
     assert len(fallback_lines(transformers_log)) == 2  # selective_scan_fn and causal_conv1d_fn
+    assert "warning_once" not in vars(logging.getLogger(session.KERNEL_FALLBACK_LOGGER))  # the wrapper left
+
+
+def test_inside_fast_scans_the_fallback_is_not_claimed(transformers_log):
+    """The fast scans replace the reference scan: "falling back ... much slower" would be wrong inside the context,
+    and is told again for the user's forward after it."""
+    model, tokenizer = load_demo()
+    ids = tokenizer("the plot was not good", return_tensors="pt").input_ids
+    with torch.no_grad():
+        with mc.fast_scans(model):
+            model(ids)
+        assert fallback_lines(transformers_log) == []
+        model(ids)
+    assert len(fallback_lines(transformers_log)) == 2
 
 
 def test_the_filter_goes_on_an_error_and_acts_only_in_the_thread_inside_the_library(transformers_log):

@@ -4,6 +4,7 @@ runs, with one warning — and a function this transformers lacks means nothing 
 import collections
 import dataclasses
 import re
+import importlib
 import sys
 import threading
 import warnings
@@ -17,7 +18,7 @@ from tiny_models import VOCAB, make_model
 import mamba_captum as mc
 from mamba_captum import scan_checks, scan_swaps
 
-fast_scans_module = sys.modules["mamba_captum.fast_scans"]  # the package attribute is the function
+fast_scans_module = importlib.import_module("mamba_captum.fast_scans")  # the package attribute is the function
 MAMBA1_KEY = hf_mamba.__name__
 SSD_KEY = fast_scans_module.SSD_MODULES["Mamba2Mixer"]
 # family -> (its swap key, the fast scan its dispatcher calls on the CPU: the name looked up in scan_swaps)

@@ -126,6 +126,18 @@ def test_a_generation_target_with_an_unknown_word_is_refused(demo):
     # several known tokens are a target sequence (Captum's semantics), not refused
     result = explainer.attribute_generation(TextTokenInput("the plot was", tokenizer), target="good but")
     assert result.output_tokens == ["good", "but"]
+    # the unknown token spelled out is a token like any other, as for the CLI's --target
+    result = explainer.attribute_generation(TextTokenInput("the plot was", tokenizer), target="[UNK]")
+    assert result.output_tokens == ["[UNK]"]
+
+
+def test_a_word_target_in_attribute_names_the_fix(demo):
+    model, tokenizer = demo
+    ids = tokenizer(["the plot was not good"], return_tensors="pt")["input_ids"]
+    for method in (mc.MambaAttribution(model), mc.MambaLRP(model)):
+        with pytest.raises(TypeError, match=r"target='negative' is a string; .* pass "
+                                            r"target=tokenizer.convert_tokens_to_ids\('negative'\)"):
+            method.attribute(ids, target="negative")
 
 
 def run_main(capsys, *args):

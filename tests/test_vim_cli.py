@@ -305,3 +305,15 @@ def test_a_null_size_under_config_falls_back_to_the_top_level_one(bare):
 def test_preprocess_refuses_a_size_or_crop_it_would_misread(photo, options, problem):
     with pytest.raises(ValueError, match=problem):
         preprocess(photo, **options)
+
+
+def test_a_stretch_without_crop_is_said(tmp_path):
+    """crop_pct=1 (the shipped Vims) resizes the whole image: a 64 × 48 file is squashed to 32 × 32, and said; a
+    square one and the official centre crop are quiet."""
+    path = tmp_path / "wide.png"
+    Image.new("RGB", (64, 48), "red").save(path)
+    with pytest.warns(ImageNotice, match=r"64 × 48 pixels: it was resized to the model's 32 × 32 without a crop"):
+        preprocess(path, img_size=32, crop_pct=1)
+    quiet(preprocess, path, img_size=32)  # the centre crop keeps the aspect ratio
+    Image.new("RGB", (64, 64), "red").save(path)
+    quiet(preprocess, path, img_size=32, crop_pct=1)

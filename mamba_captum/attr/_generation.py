@@ -57,8 +57,8 @@ def _refuse_unknown_target(tokenizer, target: str, target_ids) -> None:
     """A str target must be spelled with the vocabulary: an unknown token in it would explain the stand-in's
     probability, not the target's (several tokens are fine: the target is a sequence)."""
     token_id = unknown_id(tokenizer)
-    if token_id is None or token_id not in target_ids.tolist():
-        return
+    if token_id is None or token_id not in target_ids.tolist() or target.strip() == unknown_spelling(tokenizer):
+        return  # the unknown token spelled out is a token like any other (the CLI's --target takes it too)
     words = [w for w in unknown_words(tokenizer, target, add_special_tokens=False) if w is not None]
     standing = f", standing for {', '.join(map(repr, words))}" if words else ""
     raise ValueError(f"mamba_captum: the target {target!r} is not in the tokenizer's vocabulary: it tokenizes to "

@@ -131,6 +131,11 @@ def format_targets(target, scores: torch.Tensor) -> torch.Tensor:
                             f"{target}.")
         targets = torch.tensor([int(t) for t in target], dtype=torch.long, device=scores.device)
     else:
+        if isinstance(target, str):  # Captum's targets are indices; a word needs the tokenizer, which is not here
+            raise TypeError(f"mamba_captum: target={target!r} is a string; targets are class / token indices, as in "
+                            f"Captum: pass target=tokenizer.convert_tokens_to_ids({target!r}) (a token of the "
+                            "vocabulary), or use mamba_captum.explain.explain(model, tokenizer, text, "
+                            f"target={target!r}), which takes words.")
         try:
             targets = torch.as_tensor(target, device=scores.device)
         except (TypeError, ValueError, RuntimeError) as error:

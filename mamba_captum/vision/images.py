@@ -137,7 +137,7 @@ def preprocess(image, img_size=None, crop_pct: float | None = None, mean=IMAGENE
             decoded = _decoded(opened, name)
             mode = decoded.mode
             image = _scaled(decoded, name)
-    _notices(name, mode, image.size, height, width)
+    _notices(name, mode, image.size, height, width, stretched=height != width or crop_pct >= 1)
     resized, crop = _resize_plan(image.size, height, width, crop_pct, name)  # the EXIF orientation applied
     image = image.resize(resized, Image.BICUBIC)
     if crop is not None:
@@ -175,8 +175,9 @@ def to_display(pixels: torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> np
     return image.clamp(0, 1).permute(1, 2, 0).numpy()
 
 
-def _notices(name, mode, image_size, height, width):
-    """An :class:`ImageNotice` for a grayscale image and for one smaller than the model's input (warned from the
+def _notices(name, mode, image_size, height, width, stretched=False):
+    """An :class:`ImageNotice` for a grayscale image, for one smaller than the model's input, and for one whose
+    shape ``stretched`` to the input's (no crop: ``crop_pct=1`` or a non-square input) changes (warned from the
     caller of :func:`preprocess`)."""
     if mode in _GREY:
         warnings.warn(f"mamba_captum: {name} is grayscale (Pillow mode {mode!r}): its channel was copied to R, G and "
@@ -185,6 +186,11 @@ def _notices(name, mode, image_size, height, width):
     if w < width or h < height:
         warnings.warn(f"mamba_captum: {name} is {w} × {h} pixels, smaller than the model's input of {width} × "
                       f"{height}: it was upscaled (bicubic), so the model sees interpolated pixels.", ImageNotice,
+                      stacklevel=3)
+    if stretched and w * height != h * width:  # aspect ratios differ: shapes in it are squashed
+        warnings.warn(f"mamba_captum: {name} is {w} × {h} pixels: it was resized to the model's {width} × {height} "
+                      "without a crop (crop_pct=1 or a non-square input), so its aspect ratio changed and what it "
+                      "shows is stretched; crop it to the model's shape first to avoid that.", ImageNotice,
                       stacklevel=3)
 
 
