@@ -63,7 +63,8 @@ from .scan_checks import swap_passes as _swap_passes
 from .scan_swaps import (FLOAT32, FLOAT32_CAST_GRADIENTS, FLOAT64, GRIFFIN_MODULE, PATCHES, RWKV_MODULE,  # noqa: F401
                          SCAN_MODULES, SSD_MODULES, SWAPS, Swap)
 from .scan_swaps import leave as _leave, thread_depth as _thread_depth
-from .session import SharedPatch, kernel_fallback_quiet, thread_state  # noqa: F401
+from .session import SharedPatch, thread_state  # noqa: F401
+from .session import kernel_fallback_quiet as _kernel_fallback_quiet
 
 
 @contextlib.contextmanager
@@ -90,7 +91,7 @@ def fast_scans(model=None):
     depth = _thread_depth()
     with contextlib.ExitStack() as stack:
         # HF's "falling back to its reference PyTorch implementation" would be wrong here: the fast scans run
-        stack.enter_context(kernel_fallback_quiet())
+        stack.enter_context(_kernel_fallback_quiet())
         for key in keys:
             if not _swap_passes(key):  # absent, or it failed its check (warned once): HF's own function runs
                 continue

@@ -1,5 +1,7 @@
 """One self-contained HTML file (no scripts, no network) for a list of :class:`~mamba_captum.explain.Explanation`:
-a token heatmap per method, the prediction, per-layer map thumbnails (token labels on short texts), the settings.
+a token heatmap per method, the prediction, per-layer map thumbnails (token labels on short texts), the settings,
+paragraphs on what its numbers are (:func:`reading_notes`: p, the query token, each method's scale) and, under a text,
+its words that became the tokenizer's unknown token. :func:`probability_text` writes every probability it shows.
 
 Also a dependency-free PNG writer for the implicit-attention maps (``map_png``), used by ``mamba-captum matrices``.
 Tokens, maps, overlays and legends all speak one colour language, Captum's (:mod:`mamba_captum.palette`): green
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 import struct
 import zlib
 
@@ -124,6 +127,117 @@ def token_heatmap(tokens, scores) -> str:
     return " ".join(marks)
 
 
+def probability_text(p: float) -> str:
+    """``p = 0.873``; a probability that three decimals would show as 1.000 or 0.000 as ``p > 0.999`` / ``p < 0.001``
+    (a trained classifier is often that sure, and "1.000" reads as certainty it does not have). Every probability the
+    reports show, and the CLI prints, is written by this."""
+    if p >= 0.9995:
+        return "p > 0.999"
+    if p < 0.0005:
+        return "p < 0.001"
+    return f"p = {p:.3f}"
+
+
+def _probability_html(p: float) -> str:
+    return html.escape(probability_text(p))
+
+
+SATURATION = ('"p > 0.999" (or "p < 0.001") means saturated: the probability rounds to 1 (or 0) at three decimals, '
+              "as it often does for a trained model on a text it has learnt; it says which label, not how sure a "
+              "person would be (the methods read the model's scores, not p).")
+
+# each method's scale, as its class computes it with explain()'s settings (the "product" recipe): raw is the
+# layer mean of the query's row of A (attr/raw_attention.py), signed; rollout, attribution and selection read the
+# query's row of a product of row-normalised non-negative matrices (attr/_rollout.py rollout_step), so it is >= 0
+# and sums to 1; MambaLRP's relevance sums to the explained logit less the biases' share (attr/lrp.py)
+SHARE_METHODS = ("rollout", "attribution", "selection")
+METHOD_SCALES = {
+    "raw": "raw is the query's row of the implicit attention, averaged over the layers (the model's own mixing "
+           "weights, signed)",
+    "shares": "{names} (each text's scores are >= 0 and sum to 1)",
+    "lrp": "lrp is in logit units (its scores, signed, sum to the explained logit less the biases' share{larger})",
+}
+SHOWN_NAMES = 10  # label words / class names a paragraph lists; the rest are counted
+
+
+def _names(words, quote: bool) -> str:
+    words = [repr(str(w)) if quote else str(w) for w in words]
+    more = len(words) - SHOWN_NAMES
+    return ", ".join(words[:SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
+def _is_classifier(settings: dict) -> bool:
+    return str(settings.get("model_class", "")).endswith("ForSequenceClassification")  # as explain's is_classifier
+
+
+def probability_meaning(settings: dict) -> str:
+    """What p is for the explanations made with ``settings`` (an :class:`~mamba_captum.explain.Explanation`'s:
+    ``model_class`` and ``labels``, as :func:`mamba_captum.explain.explain` sets them): the softmax of the model's
+    scores over the classifier's classes, the label words, or the whole vocabulary."""
+    labels = settings.get("labels")
+    if _is_classifier(settings):
+        return "the softmax of the classifier's scores over its classes" + (
+            f" ({_names(labels, quote=False)})" if labels else "")
+    if labels:
+        return f"the softmax of the next-token scores at the query over the label words only ({_names(labels, True)})"
+    if "model_class" in settings:
+        return "the softmax of the next-token scores at the query over the whole vocabulary"
+    return "the softmax of the model's scores over its possible answers"
+
+
+def reading_notes(explanations, settings: dict | None = None) -> list[str]:
+    """The report's plain-text paragraphs on its numbers: what p is, that ``p > 0.999`` means saturated, which token
+    is the query, and the scale of each method the ``explanations`` hold (see :data:`METHOD_SCALES`). ``settings``
+    defaults to the first explanation's. Returns a list of strings (not HTML)."""
+    settings = dict(explanations[0].settings if explanations and settings is None else settings or {})
+    notes = [f"p is the probability of the predicted label (and of the explained one, when another was asked for): "
+             f"{probability_meaning(settings)}. {SATURATION}"]
+    last = {item.shown()[-1] for item in explanations if item.shown()}
+    query = f"The query is the last token of each text{f' (here {next(iter(last))})' if len(last) == 1 else ''}"
+    if "model_class" in settings and not _is_classifier(settings):  # explain() takes causal LMs and classifiers
+        notes.append(f"{query}: this causal LM's next-token scores there are its answer, so every method explains "
+                     "that position, and the query itself gets a score too.")
+    else:
+        notes.append(f"{query}: the position whose output every method explains.")
+    methods = list(dict.fromkeys(name for item in explanations for name in item.relevance))
+    shares = [name for name in SHARE_METHODS if name in methods]
+    scales = [METHOD_SCALES["raw"]] if "raw" in methods else []
+    if shares:
+        names = f"{shares[0]} is a share" if len(shares) == 1 else \
+            f"{', '.join(shares[:-1])} and {shares[-1]} are shares"
+        scales.append(METHOD_SCALES["shares"].format(names=names))
+    if "lrp" in methods:
+        scales.append(METHOD_SCALES["lrp"].format(larger=", so they are often much larger than the shares"
+                                                  if shares else ""))
+    if scales:
+        notes.append("The methods' numbers (hover a token to read its score): " + "; ".join(scales) + ".")
+    return notes
+
+
+def unknown_words_note(item) -> str | None:
+    """The note under a text's heading when words of it became the tokenizer's unknown token (``item``'s
+    ``unknown_words`` / ``unknown_token``, :class:`~mamba_captum.explain.Explanation`), or None: plain text."""
+    words = list(getattr(item, "unknown_words", None) or [])
+    if not words:
+        return None
+    token = getattr(item, "unknown_token", None) or "the unknown token"
+    count = len(words)
+    counts = {}
+    for word in words:
+        if word is not None:
+            counts[word] = counts.get(word, 0) + 1
+    named = ": " + ", ".join(repr(w) + (f" ×{n}" if n > 1 else "") for w, n in counts.items()) if counts else \
+        " (this tokenizer gives no offsets to name them)"
+    return (f"{count} word{'s' if count > 1 else ''} not in the tokenizer's vocabulary became {token}{named}; the "
+            f"model saw, and the methods score, {token} in {'its' if count == 1 else 'their'} place.")
+
+
+def _paragraphs(notes) -> list[str]:
+    """``notes`` (one string, or a list of them) as plain-text paragraphs: a blank line starts a new one."""
+    notes = [notes] if isinstance(notes, str) else list(notes or ())
+    return [" ".join(block.split()) for note in notes for block in re.split(r"\n\s*\n", str(note)) if block.strip()]
+
+
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 70em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.15em; margin-top: 2em; border-bottom: 1px solid #ccc; }
@@ -132,6 +246,7 @@ mark.token { padding: 0.1em 0.25em; line-height: 2; border-radius: 0.2em; color:
 .thumbs { display: flex; flex-wrap: wrap; gap: 1em; } .thumbs figure { margin: 0; text-align: center; }
 .thumbs img { width: 140px; height: 140px; image-rendering: pixelated; border: 1px solid #ccc; }
 .legend mark { margin-right: 0.5em; } table.settings td { padding: 0.1em 0.8em; } .note { color: #555; }
+.reading p, .preamble { max-width: 60em; } .note.unknown { color: #8a4b00; }
 .ramp { display: inline-block; width: 10em; height: 0.9em; margin: 0 0.3em; vertical-align: middle;
         border: 1px solid #ccc; } .ramp-end { font-size: 0.8em; color: #555; }
 .map { display: grid; font-size: 10px; line-height: 1; color: #333; }
@@ -143,8 +258,17 @@ mark.token { padding: 0.1em 0.25em; line-height: 2; border-radius: 0.2em; color:
 """
 
 
-def render_html(explanations, *, title: str = "mamba-captum report", settings: dict | None = None) -> str:
-    """The report as one HTML string (images inlined as data URIs; no scripts, no external resources)."""
+def render_html(explanations, *, title: str = "mamba-captum report", settings: dict | None = None,
+                notes=()) -> str:
+    """The report as one HTML string (images inlined as data URIs; no scripts, no external resources).
+
+    Args:
+        explanations: :class:`~mamba_captum.explain.Explanation` s, one section each.
+        title: the page's title and heading.
+        settings: rows added to (or replacing) the first explanation's settings in the settings table.
+        notes: plain text shown under the title, before the report's own paragraphs on its numbers
+            (:func:`reading_notes`): one string or a list of them, a blank line starting a new paragraph; escaped.
+    """
     settings = dict(settings or {})
     if explanations:
         settings = {**explanations[0].settings, **settings}
@@ -153,13 +277,18 @@ def render_html(explanations, *, title: str = "mamba-captum report", settings: d
                    for k, v in settings.items())
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+             *(f"<p class='preamble'>{html.escape(text)}</p>" for text in _paragraphs(notes)),
              f"<table class='settings'>{rows}</table>",
+             "<div class='reading'>" + "".join(f"<p>{html.escape(text)}</p>"
+                                               for text in reading_notes(explanations, settings)) + "</div>",
              legend_html("Relevance is scaled per method, and each map, by its largest |value| (hover a token for "
                          "its raw score)")]
     for number, item in enumerate(explanations, start=1):
+        unknown = unknown_words_note(item)
         parts.append(f"<section class='example'><h2>{number}. {html.escape(item.text)}</h2>"
-                     f"<p>Prediction: <b>{html.escape(item.prediction)}</b> (p = {item.probability:.3f}); explained: "
-                     f"<b>{html.escape(item.target)}</b> (p = {item.target_probability:.3f}).</p>"
+                     + (f"<p class='note unknown'>{html.escape(unknown)}</p>" if unknown else "")
+                     + f"<p>Prediction: <b>{html.escape(item.prediction)}</b> ({_probability_html(item.probability)}); "
+                     f"explained: <b>{html.escape(item.target)}</b> ({_probability_html(item.target_probability)}).</p>"
                      "<table class='methods'>")
         for name, scores in item.relevance.items():
             parts.append(f"<tr><td class='method'>{html.escape(METHOD_TITLES.get(name, name))}</td>"
@@ -209,13 +338,17 @@ def render_image_html(explanations, *, title: str = "mamba-captum report") -> st
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
              f"<style>{STYLE}{IMAGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
              f"<table class='settings'>{rows}</table>",
+             "<div class='reading'><p>p is the probability of the predicted class (and of the explained one, when "
+             "another was asked for): the softmax of the model's scores over its classes. "
+             f"{html.escape(SATURATION)}</p></div>",
              legend_html("Relevance is laid over each image, scaled per method by its largest |value|, opaque "
                          "up to 75 %")]
     for number, item in enumerate(explanations, start=1):
         image = torch.as_tensor(item.image, dtype=torch.float64)
         parts.append(f"<section class='example'><h2>{number}. {html.escape(item.path)}</h2>"
-                     f"<p>Prediction: <b>{html.escape(item.prediction)}</b> (p = {item.probability:.3f}); explained: "
-                     f"<b>{html.escape(item.target)}</b> (p = {item.target_probability:.3f}).</p><div class='images'>"
+                     f"<p>Prediction: <b>{html.escape(item.prediction)}</b> ({_probability_html(item.probability)}); "
+                     f"explained: <b>{html.escape(item.target)}</b> ({_probability_html(item.target_probability)})."
+                     "</p><div class='images'>"
                      f"<figure><img alt='the image' src='{_data_uri(png_bytes((image * 255).round().to(torch.uint8)))}'>"
                      "<figcaption>input</figcaption></figure>")
         for name, relevance in item.relevance.items():

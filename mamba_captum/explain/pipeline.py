@@ -15,6 +15,7 @@ from ..checks import input_device as _input_device
 from ..attr import MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout, MambaSelectionAttribution
 from ..families import decoder_layers
 from ..session import session
+from ..tokens import unknown_spelling, unknown_words
 from .loading import UsageError, check_supported, is_classifier
 from .text import candidate_ids, encode_text, label_words, readable_tokens, resolve_target
 
@@ -38,6 +39,10 @@ class Explanation:
         layer_maps: layer index -> (L, L) channel-mean implicit attention (query row, key column), or None.
         settings: formulation and the model's name, for the report.
         display_tokens: the L tokens as readable text (see :func:`readable_tokens`), or None.
+        unknown_words: the words of ``text`` that became the tokenizer's unknown token, in order, one entry per
+            word (None for one a tokenizer without offsets cannot name; :func:`mamba_captum.tokens.unknown_words`);
+            empty when none did, or when the text or the tokenizer was not at hand (:func:`explain_ids`).
+        unknown_token: how the tokenizer spells that token (``[UNK]``), or None.
     """
     text: str
     tokens: list[str]
@@ -49,6 +54,8 @@ class Explanation:
     layer_maps: dict[int, torch.Tensor] | None = None
     settings: dict = dataclasses.field(default_factory=dict)
     display_tokens: list[str] | None = None  # the tokens as text (byte-level BPE's "Ġthe" -> "the"), for people
+    unknown_words: list[str | None] = dataclasses.field(default_factory=list)
+    unknown_token: str | None = None
 
     def shown(self) -> list[str]:
         """The tokens to show people: ``display_tokens`` when known, else ``tokens``."""
@@ -69,15 +76,18 @@ class Explanation:
         return {"text": self.text, "tokens": self.tokens, "display_tokens": self.shown(), "prediction": self.prediction,
                 "probability": self.probability, "target": self.target,
                 "target_probability": self.target_probability, "relevance": self.relevance,
-                "top_tokens": {name: self.top_tokens(name) for name in self.relevance}, "settings": self.settings}
-
+                "top_tokens": {name: self.top_tokens(name) for name in self.relevance}, "settings": self.settings,
+                "unknown_words": self.unknown_words, "unknown_token": self.unknown_token}
 
     @classmethod
     def from_dict(cls, row: dict) -> "Explanation":
-        """The explanation :meth:`to_dict` wrote (without its layer maps)."""
+        """The explanation :meth:`to_dict` wrote (without its layer maps); a dict of an older version, without
+        ``unknown_words`` / ``unknown_token``, loads with none."""
         return cls(text=row["text"], tokens=row["tokens"], prediction=row["prediction"],
                    probability=row["probability"], target=row["target"], target_probability=row["target_probability"],
-                   relevance=row["relevance"], settings=row.get("settings", {}), display_tokens=row.get("display_tokens"))
+                   relevance=row["relevance"], settings=row.get("settings", {}),
+                   display_tokens=row.get("display_tokens"),
+                   unknown_words=list(row.get("unknown_words") or []), unknown_token=row.get("unknown_token"))
 
 
 def _inputs_device(model) -> torch.device:
@@ -124,13 +134,19 @@ def explain(model, tokenizer, texts, *, target=None, methods=None, formulation: 
         labels: candidate answers of a causal LM (e.g. ``["negative", "positive"]``); see :func:`label_words`.
         layer_maps: also return each layer's (L, L) channel-mean map.
     Returns:
-        one :class:`Explanation` per text.
+        one :class:`Explanation` per text, with the words of it that became the tokenizer's unknown token
+        (``unknown_words``; encode_text also warns about them).
     """
     texts = [texts] if isinstance(texts, str) else list(texts)
     device = _inputs_device(model)
     inputs = [encode_text(model, tokenizer, text).to(device) for text in texts]
-    return explain_ids(model, tokenizer, inputs, texts=texts, target=target, methods=methods,
-                       formulation=formulation, labels=labels, layer_maps=layer_maps)
+    results = explain_ids(model, tokenizer, inputs, texts=texts, target=target, methods=methods,
+                          formulation=formulation, labels=labels, layer_maps=layer_maps)
+    spelling = unknown_spelling(tokenizer)
+    for item, text in zip(results, texts):  # as encode_text tokenized it (special tokens added)
+        item.unknown_words = unknown_words(tokenizer, text)
+        item.unknown_token = spelling if item.unknown_words else None
+    return results
 
 
 def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=None,
