@@ -583,7 +583,8 @@ def test_help_version_and_usage_errors_import_no_library(args):
     done = subprocess.run([sys.executable, "-c", show, *args], capture_output=True, text=True)
     code, *loaded = done.stdout.split("\n")[-2].split()
     assert int(code) == (2 if "int3" in args else 0), done.stderr
-    assert sorted(loaded) == ["mamba_captum._version", "mamba_captum.cli", "mamba_captum.cli.arguments"]
+    assert sorted(loaded) == ["mamba_captum._version", "mamba_captum.cli", "mamba_captum.cli.arguments",
+                              "mamba_captum.cli.notices", "mamba_captum.usage"]
 
 
 def test_the_parsers_choices_are_the_explain_layers():
@@ -711,7 +712,31 @@ def test_explain_and_matrices_on_a_saved_linear_mixer_checkpoint(model_type, tmp
 
 
 def test_probability_text_says_saturation_instead_of_rounding_to_certainty():
-    from mamba_captum.cli.images import probability_text
+    from mamba_captum.html_report import probability_text
 
     assert [probability_text(p) for p in (0.87349, 0.9994, 0.9995, 1.0, 0.0005, 0.0004999, 0.0)] == \
         ["p = 0.873", "p = 0.999", "p > 0.999", "p > 0.999", "p = 0.001", "p < 0.001", "p < 0.001"]
+
+
+def test_the_printed_pixel_is_the_largest_in_magnitude_with_its_sign(tmp_path, capsys):
+    # a pixel can be the most relevant by lowering the score: its value is printed signed (issue 33)
+    from PIL import Image
+    from tiny_models import make_vim
+
+    from mamba_captum.cli.images import IMAGE_METHOD_NAMES
+
+    torch.save({"model": make_vim().state_dict(), "epoch": 1}, tmp_path / "vim.pth")
+    pixels = (torch.rand(32, 32, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy()
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    code, out, err = run_main(capsys, "explain", "--model", tmp_path / "vim.pth", "--img-size", 32, "--image",
+                              tmp_path / "a.png", "--jsonl", tmp_path / "r.jsonl")
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    expected = []
+    for name in IMAGE_METHOD_NAMES:
+        scores = torch.tensor(row["relevance"][name])
+        at = divmod(int(scores.abs().argmax()), scores.shape[-1])
+        expected.append(f"{name} ({at[0]}, {at[1]}) {float(scores[at]):+.2g}")
+    assert float(expected[0].split()[-1]) < 0  # raw: here the pixel of largest |relevance| lowers the score
+    assert out.splitlines()[0].endswith("; most relevant pixel (largest |relevance|: row, column, score): "
+                                        + ", ".join(expected)), out

@@ -157,3 +157,12 @@ def test_the_image_report_says_saturated():
     assert reading(page) == ["p is the probability of the predicted class (and of the explained one, when another "
                              "was asked for): the softmax of the model's scores over its classes. " +
                              DEMO_READING[0].split("). ", 1)[1]]
+
+
+def test_the_demo_report_tells_the_models_story(tmp_path):
+    from mamba_captum.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / "demo.html")]) == 0
+    page = (tmp_path / "demo.html").read_text()
+    assert "<p class='preamble'>The bundled demo model: a 2-layer Mamba trained on a sentiment grammar" in page
+    assert "p says which label, not how sure a person would be." in page

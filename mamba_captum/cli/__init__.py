@@ -19,7 +19,7 @@ import sys
 import warnings
 
 from .arguments import COMMANDS, MAX_MAP_PIXELS, build_parser
-from .notices import scoped_warnings
+from .notices import library_logging, scoped_warnings
 
 # Parsing the arguments imports only argparse and light modules: the library (torch, transformers) is imported by
 # the command that runs. Each command stays a name of this module (_demo, _explain, _matrices), imported on first
@@ -37,10 +37,13 @@ def __getattr__(name):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "evaluate":  # its own parser (mamba_captum.evaluation.report)
-        from ..evaluation.report import main as evaluate
+    if argv and argv[0] == "evaluate":  # its own parser, shared with python -m mamba_captum.evaluation
+        from ..usage import evaluate_parser
 
-        try:
+        try:  # --help and a bad argument answered before the suite (torch) is imported
+            evaluate_parser().parse_args(argv[1:])
+            from ..evaluation.report import main as evaluate
+
             evaluate(argv[1:])
         except SystemExit as leaving:  # its argparse errors and refusals: a code, as for the other commands
             return int(leaving.code or 0)
@@ -53,21 +56,12 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    import transformers
-
-    # main() may be called from a user's program: transformers' logging settings are put back on the way out
-    verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
-    transformers.logging.set_verbosity_error()  # HF's per-kernel "falling back to torch" lines on CPU
-    transformers.logging.disable_progress_bar()  # "Loading weights" bars: errors stay one line
-    try:
-        # the filters and showwarning are put back on the way out, too (those of modules imported meanwhile kept)
-        with scoped_warnings() as (_, own):
-            _warn_in_one_line(args.command, own)
-            return _run(args)
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-        if bars:
-            transformers.logging.enable_progress_bar()
+    # transformers' logging is quieted when the command starts on the library (a usage error imports none of it)
+    # and put back on the way out; the warning filters and showwarning are put back, too (those of modules
+    # imported meanwhile kept)
+    with library_logging(), scoped_warnings() as (_, own):
+        _warn_in_one_line(args.command, own)
+        return _run(args)
 
 
 def _warn_in_one_line(command: str, own: list) -> None:
@@ -92,17 +86,12 @@ def _warn_in_one_line(command: str, own: list) -> None:
 
 
 def _run(args) -> int:
-    from ..attention import ReconstructionError
-    from ..checks import NonFiniteError
-    from ..explain import UsageError
+    from ..usage import UsageError
 
     try:
         getattr(sys.modules[__name__], f"_{args.command}")(args)
     except UsageError as error:
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except (NonFiniteError, ReconstructionError) as error:  # the checkpoint's numbers, or a variant not supported
-        print(f"mamba-captum {args.command}: error: {str(error).removeprefix('mamba_captum: ')}", file=sys.stderr)
         return 2
     except OSError as error:  # a file that vanished or filled the disk mid-run: still one line
         print(f"mamba-captum {args.command}: error: {error}", file=sys.stderr)
@@ -110,4 +99,19 @@ def _run(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the JSONL keeps the rows written so far
         print(f"mamba-captum {args.command}: interrupted.", file=sys.stderr)
         return 130
+    except Exception as error:
+        if not _about_the_checkpoint(error):
+            raise
+        print(f"mamba-captum {args.command}: error: {str(error).removeprefix('mamba_captum: ')}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _about_the_checkpoint(error: Exception) -> bool:
+    """Whether ``error`` is a NonFiniteError or ReconstructionError: the checkpoint's numbers, or a variant not
+    supported. Their classes are looked up among the modules already imported (one raised means its module is),
+    so that a usage error imports neither (both import torch)."""
+    kinds = [getattr(sys.modules.get(module), name, None)
+             for module, name in (("mamba_captum.checks", "NonFiniteError"),
+                                  ("mamba_captum.verification", "ReconstructionError"))]
+    return any(kind is not None and isinstance(error, kind) for kind in kinds)

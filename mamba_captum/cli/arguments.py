@@ -1,5 +1,5 @@
 """The command line's arguments: one parser, a subcommand each (``mamba-captum demo | explain | matrices``; ``evaluate``
-parses its own, mamba_captum.evaluation.report)."""
+parses its own, :func:`mamba_captum.usage.evaluate_parser`)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from .._version import __version__
+from ..usage import positive_int
 
 # Parsing imports only argparse and these light modules (--help, --version and usage errors answer at once): the
 # choices are named here rather than read from mamba_captum.explain, which imports torch and transformers;
@@ -22,14 +23,6 @@ COMMANDS = {"demo": "explain the bundled demo model's test sentences and write a
             "explain": "explain texts or a JSONL dataset with a local HF checkpoint directory",
             "matrices": "save each layer's implicit-attention map of a text as a PNG",
             "evaluate": "the faithfulness comparison on the shipped tiny classifiers (docs/faithfulness.md)"}
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` of a count or a size: mamba_captum.evaluation.arguments.positive_int, imported when a value is
-    given (the evaluation package imports torch)."""
-    from ..evaluation.arguments import positive_int as check
-
-    return check(text)
 
 
 def model_path(text: str) -> str:

@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ..explain import UsageError
+from ..usage import UsageError
 from ..files import FileClashError, check_folder_writable, check_outputs, write_atomically
 
 
@@ -94,8 +94,9 @@ def read_dataset(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
-def write_report(explanations, out: Path, title: str):
+def write_report(explanations, out: Path, title: str, notes=()):
+    """The HTML report of ``explanations`` at ``out``; ``notes``: paragraphs shown under the title."""
     from ..html_report import render_html
 
-    write_atomically(out, render_html(explanations, title=title))
+    write_atomically(out, render_html(explanations, title=title, notes=notes))
     print(f"report: {out}")

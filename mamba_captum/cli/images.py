@@ -13,16 +13,19 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..explain import UsageError
 from ..files import write_atomically
+from ..usage import UsageError
 from .files import check_paths, writable_file
-from .notices import scoped_warnings
+from .loading import check_device_option, check_labels
+from .notices import quiet_library, scoped_warnings
+
+# mamba_captum.explain.images.METHODS, named here without importing it (tests/test_cli_speed.py checks them)
+IMAGE_METHOD_NAMES = ("raw", "rollout", "attribution")
 
 
 def explain_images_command(args):
-    from ..html_report import render_image_html
-    from ..explain.images import explain_images, load_vim_file
-
+    """``explain --image``: every check that needs no model (paths, options, methods, then --device), then the
+    library is imported and each image explained."""
     # no output may replace the checkpoint, an image or the other output
     check_paths([("--jsonl", args.jsonl), ("--out", args.out)],
                 [("--model", args.model), *(("--image", image) for image in args.image)],
@@ -35,9 +38,24 @@ def explain_images_command(args):
             raise UsageError(f"no image file at {str(image)!r}.")
     if args.device_map is not None:
         raise UsageError("--device-map loads HF checkpoints; a Vision Mamba file is loaded on --device.")
+    if args.max_memory is not None:  # --device-map is refused above: nothing for it to bound
+        raise UsageError("--max-memory bounds what --device-map places on each device; a Vision Mamba file is loaded "
+                         "whole on --device: leave it out.")
     if Path(args.model).is_dir():
         raise UsageError(f"--model {args.model!r} is a folder (an HF checkpoint, which explains --text); --image needs "
                          "a Vision Mamba checkpoint file (.pth).")
+    if not Path(args.model).is_file():  # load_vim_file's words, before the import
+        raise UsageError(f"no Vim checkpoint file at {args.model!r}; pass a .pth file (the weights under 'model').")
+    unavailable = [name for name in args.method or () if name not in IMAGE_METHOD_NAMES]
+    if unavailable:
+        raise UsageError(f"--method {unavailable[0]} is not available for images (a Vision Mamba checkpoint); "
+                         f"choose among {', '.join(IMAGE_METHOD_NAMES)}.")
+    check_labels(args.labels)
+    check_device_option(args.device)
+    quiet_library()
+    from ..explain.images import explain_images, load_vim_file
+    from ..html_report import probability_text, render_image_html
+
     device = "cpu" if args.device is None else args.device
     with _notices():
         try:
@@ -50,15 +68,15 @@ def explain_images_command(args):
         model.class_names = list(args.labels)
     with _notices():
         explanations = explain_images(model, [str(p) for p in args.image], target=args.target,
-                                      methods=args.method or ("raw", "rollout", "attribution"),
+                                      methods=args.method or IMAGE_METHOD_NAMES,
                                       formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = f"{Path(args.model).name} ({item.settings['model']})"
-        peaks = {name: _peak_patch(scores) for name, scores in item.relevance.items()}
+        peaks = ", ".join(f"{name} {_peak_pixel(scores)}" for name, scores in item.relevance.items())
         explained = item.target if item.target == item.prediction else \
             f"{item.target} ({probability_text(item.target_probability)})"
         print(f"{item.path}: class {item.prediction} ({probability_text(item.probability)}); explained: {explained}; "
-              "most relevant pixel (row, column): " + ", ".join(f"{k} {v}" for k, v in peaks.items()))
+              f"most relevant pixel (largest |relevance|: row, column, score): {peaks}")
     if args.jsonl is not None:
         write_atomically(args.jsonl, "".join(json.dumps(item.to_dict()) + "\n" for item in explanations))
         print(f"results: {args.jsonl} ({len(explanations)} lines)")
@@ -95,16 +113,8 @@ def _notices():
                 warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def _peak_patch(scores) -> tuple[int, int]:
-    flat = int(scores.abs().argmax())
-    return divmod(flat, scores.shape[-1])
-
-
-def probability_text(p: float) -> str:
-    """``p = 0.873``; a probability that three decimals would show as 1.000 or 0.000 as ``p > 0.999`` / ``p < 0.001``
-    (a trained classifier is often that sure, and "1.000" reads as certainty it does not have)."""
-    if p >= 0.9995:
-        return "p > 0.999"
-    if p < 0.0005:
-        return "p < 0.001"
-    return f"p = {p:.3f}"
+def _peak_pixel(scores) -> str:
+    """``(row, column) value`` of the pixel of largest |relevance| in ``scores`` (H, W), its value signed: a pixel
+    that lowers the score (negative) can be the largest, e.g. in a raw map whose scores are all negative."""
+    row, column = divmod(int(scores.abs().argmax()), scores.shape[-1])
+    return f"({row}, {column}) {float(scores[row, column]):+.2g}"

@@ -1,5 +1,9 @@
 """The text commands: ``mamba-captum demo``, ``explain`` (texts or a JSONL dataset; ``--image`` hands over to
-images.py) and ``matrices``."""
+images.py) and ``matrices``.
+
+Each command first checks what it was asked that needs no model (paths and outputs, the dataset, the options
+together, --device last: :func:`~mamba_captum.cli.loading.check_loading`) and only then imports the library (torch,
+transformers, captum: seconds), so that a usage error answers at once."""
 from __future__ import annotations
 
 import json
@@ -10,16 +14,19 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..explain import UsageError
 from ..files import write_atomically
 from ..tokens import UnknownTokenWarning
+from ..usage import UsageError
 from .arguments import MAX_MAP_PIXELS
 from .files import check_paths, read_dataset, writable_dir, writable_file, write_report
-from .images import explain_images_command, probability_text
-from .notices import scoped_warnings
-from .loading import load_model
+from .images import explain_images_command
+from .loading import check_labels, check_loading, load_model
+from .notices import quiet_library, scoped_warnings
 
 
+DEMO_STORY = ("The bundled demo model: a 2-layer Mamba trained on a sentiment grammar (mamba_captum.demo.grammar) "
+              "with negation and contrast. The grammar decides every sentence and the model learnt it (100 % held "
+              "out), so its probabilities saturate: p says which label, not how sure a person would be.")
 DEMO_PREAMBLE = """\
 The bundled demo model: a 2-layer Mamba trained on a sentiment grammar (mamba_captum.demo.grammar). Its tokenizer
 appends the query token [SENTIMENT]; the next-token logits there at "negative" / "positive" are the answer, and p
@@ -45,6 +52,8 @@ def _print_summary(explanations, file=None, deciding=None, k=3):
     """Each text's prediction and each method's top-k tokens (to ``file``, default the current ``sys.stdout``); with
     ``deciding`` (one word mask per text, the demo grammar's deciding words) also those words and, at the end, how
     many of them each method's top k hold."""
+    from ..html_report import probability_text
+
     file = sys.stdout if file is None else file  # read at the call: stdout may have been replaced since the import
     found, total = {}, 0
     for number, item in enumerate(explanations):
@@ -70,27 +79,30 @@ def _print_summary(explanations, file=None, deciding=None, k=3):
 
 def demo_command(args):
     from ..demo import DEMO_TEXTS, grammar, model_dir
-    from ..explain import explain
 
     check_paths([("--out", args.out)], [("the demo model", model_dir())],
                 [("--offload-folder", args.offload_folder, ())])
     writable_file(args.out)
+    check_loading(args, model_dir())
+    quiet_library()
+    from ..explain import explain
+
     model, tokenizer = load_model(args, model_dir())
     explanations = explain(model, tokenizer, DEMO_TEXTS, formulation=args.formulation)
     for item in explanations:
         item.settings["model"] = "bundled demo model (mamba_captum/demo/model)"
     print(DEMO_PREAMBLE)
     _print_summary(explanations, deciding=[grammar.deciding_words(text) for text in DEMO_TEXTS])
-    write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model")
+    # the model's story; the report's own paragraphs say what p and each method's numbers are
+    write_report(explanations, args.out, "mamba-captum demo: a tiny Mamba sentiment model", notes=DEMO_STORY)
 
 
 def explain_command(args):
-    from ..explain import encode_text, explain, label_words, resolve_target
-    from ..explain.text import candidate_ids
-
     if args.image:
         return explain_images_command(args)
-
+    if args.img_size is not None:  # argparse cannot tie it to --image: said, not ignored
+        raise UsageError("--img-size applies to --image (a Vision Mamba checkpoint); an HF checkpoint's texts need "
+                         "none: leave it out.")
     # read before anything is written: --jsonl naming the dataset would otherwise empty it
     rows = read_dataset(args.dataset) if args.dataset else None
     jsonl = args.jsonl or (args.dataset.with_suffix(".explained.jsonl") if args.dataset else None)
@@ -107,6 +119,17 @@ def explain_command(args):
     for path in (jsonl, args.out):
         if path is not None:
             writable_file(path)
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under accelerate launch / torchrun
+    if rows is None and several:
+        raise UsageError("--text runs in one process; give the texts as --dataset to share them among processes.")
+    check_labels(args.labels)
+    # a dataset shared by processes: each takes its own GPU below, its device checked when loaded (a check of
+    # --device cuda here would open a CUDA context on GPU 0 in every process)
+    check_loading(args, args.model, device=not several)
+    quiet_library()
+    from ..explain import encode_text, explain, label_words, resolve_target
+    from ..explain.text import candidate_ids
+
     group = None
     if rows is not None:  # a dataset: shared by the processes of accelerate launch / torchrun, if any
         from ..parallel import processes
@@ -114,8 +137,6 @@ def explain_command(args):
         group = processes(cpu=_runs_on_cpu(args))
         if group.count > 1 and args.device == "cuda":
             args.device = f"cuda:{group.state.local_process_index}"  # each process its own GPU
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("--text runs in one process; give the texts as --dataset to share them among processes.")
     model, tokenizer = load_model(args, args.model)
     methods = args.method  # None: every method the model supports
     options = dict(methods=methods, formulation=args.formulation, labels=args.labels,
@@ -223,9 +244,6 @@ def existing_maps(out_dir: Path) -> list[tuple[str, Path]]:
 
 
 def matrices_command(args):
-    from ..explain import encode_text, explain
-    from ..html_report import map_png
-
     if args.scale > MAX_MAP_PIXELS:  # even a one-token text would exceed the largest map
         raise UsageError(f"--scale {args.scale} is too large: a map is at most {MAX_MAP_PIXELS} pixels a side "
                          "(tokens × scale); use a smaller --scale.")
@@ -234,6 +252,11 @@ def matrices_command(args):
     check_paths(existing_maps(args.out_dir), [("--model", args.model)],
                 [("--out-dir", args.out_dir, ("tokens.json",)), ("--offload-folder", args.offload_folder, ())])
     writable_dir(args.out_dir)
+    check_loading(args, args.model)
+    quiet_library()
+    from ..explain import encode_text, explain
+    from ..html_report import map_png
+
     model, tokenizer = load_model(args, args.model)
     with _warnings_once_checked():
         length = encode_text(model, tokenizer, args.text).shape[1]

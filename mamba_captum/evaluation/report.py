@@ -7,7 +7,6 @@ shipped classifier reached the accuracy bar is scored with every method (compare
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -15,7 +14,7 @@ import time
 from pathlib import Path
 
 from ..files import atomic_target, check_outputs, write_atomically
-from .arguments import positive_int
+from ..usage import evaluate_parser
 from .models import FAMILIES, training_record, weights_root
 from .results import LOCALISATION, PERTURBATION, journal_problem, read_doc, read_results
 from .tasks import TASKS
@@ -227,25 +226,8 @@ def write_report(rows, usable, skipped, seconds, doc: Path, assets: Path, comman
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="mamba-captum evaluate", description="The faithfulness comparison "
-                                     "(docs/faithfulness.md) on the shipped tiny classifiers.")
-    # choices: an unknown name must not run nothing and then overwrite the committed results with an empty report
-    parser.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--task", nargs="+", default=list(TASKS) + ["bbc_news"], choices=list(TASKS) + ["bbc_news"])
-    parser.add_argument("--examples", type=positive_int, default=64, help="held-out examples per task (default 64)")
-    parser.add_argument("--no-perturbation", action="store_true", help="localisation only (much faster)")
-    parser.add_argument("--doc", type=Path, default=Path("docs/faithfulness.md"))
-    parser.add_argument("--assets", type=Path, default=Path("docs/assets/faithfulness"))
-    parser.add_argument("--weights", type=Path, default=None, help=f"default: {weights_root()}")
-    parser.add_argument("--report-only", action="store_true", help="rewrite the tables and plots from the existing "
-                        "results.json without running any model")
-    parser.add_argument("--update", action="store_true", help="keep the other models' rows of the existing "
-                        "results.json and replace only the models run now")
-    parser.add_argument("--method", nargs="+", default=None, metavar="NAME",
-                        help="run only the methods whose name contains one of these strings (with --update, only "
-                             "their rows are replaced; the other methods' rows of the same models are kept)")
-    parser.add_argument("--restart", action="store_true", help="discard the results an interrupted run left in "
-                        "ASSETS/results.partial.jsonl instead of resuming from them")
+    # defined without importing the suite (torch): `mamba-captum evaluate` checks its arguments at once
+    parser = evaluate_parser()
     args = parser.parse_args(argv)
     from ..parallel import side_files
 

@@ -2,8 +2,9 @@
 (a missing folder, a damaged or incomplete checkpoint, a model with no supported mixer, an unusable device or device
 map) as one :class:`UsageError`.
 
-:class:`UsageError`, :data:`DTYPES`, :func:`check_device` and the model checks (:func:`is_classifier`,
-:func:`check_supported`) are shared by the texts, the pipeline and the images (:mod:`mamba_captum.explain.images`).
+:class:`UsageError` and :func:`check_device` (from :mod:`mamba_captum.usage`), :data:`DTYPES` and the model checks
+(:func:`is_classifier`, :func:`check_supported`) are shared by the texts, the pipeline and the images
+(:mod:`mamba_captum.explain.images`).
 """
 from __future__ import annotations
 
@@ -14,12 +15,10 @@ from pathlib import Path
 import torch
 
 from ..families import SUPPORTED_MIXERS
+# defined where torch is not imported, so that the command line checks a request before it imports the library
+from ..usage import UsageError, check_device
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class UsageError(ValueError):
-    """A problem with what the user asked for (a path, a target, a text): the CLI prints it as one line."""
 
 
 def is_classifier(model) -> bool:
@@ -42,29 +41,6 @@ def _first_line(error: Exception) -> str:
     if lines[0].endswith(":") and len(lines) > 1:  # "Validation error for field 'x':" says nothing alone
         return f"{lines[0]} {lines[1]}"
     return lines[0]
-
-
-def check_device(device) -> torch.device:
-    """``device`` as a torch device that can hold this run's tensors, else :class:`UsageError` (before any loading,
-    so a typo costs no model load)."""
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise UsageError(f"device {device!r} is not available: it is not a torch device name; choose cpu, cuda or "
-                         "cuda:N.") from None
-    if parsed.type == "meta":  # meta tensors have shapes but no values: nothing to explain
-        raise UsageError(f"device {device!r} holds no data (only tensor shapes), so nothing can be computed on it; "
-                         "choose cpu, cuda or cuda:N.")
-    if parsed.type == "cuda" and torch.cuda.is_available() and (parsed.index or 0) >= torch.cuda.device_count():
-        raise UsageError(f"device {device!r} is not available: this machine has {torch.cuda.device_count()} CUDA "
-                         f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
-    try:
-        torch.empty(1, device=parsed)
-    except Exception as error:  # AssertionError (no CUDA build), NotImplementedError (no backend), ModuleNotFoundError
-        reason = _first_line(error).split(". ")[0]
-        raise UsageError(f"device {device!r} is not available on this machine ({reason}); choose cpu or an "
-                         "available cuda:N.") from None
-    return parsed
 
 
 def _weight_files(path: Path) -> list[Path]:
