@@ -82,6 +82,16 @@ USAGE_ERRORS = [
     (IMAGE + ["--max-memory", "cpu=1GiB"],
      "--max-memory bounds what --device-map places on each device; a Vision Mamba file is loaded whole on --device: "
      "leave it out."),
+    (IMAGE + ["--offload-folder", "off"],
+     "--offload-folder holds the weights --device-map puts on disk; a Vision Mamba file is loaded whole on --device: "
+     "leave it out."),
+    (TEXT + ["--offload-folder", "off"],
+     "--offload-folder holds the weights --device-map puts on disk; without --device-map the model is loaded whole on "
+     "--device: give --device-map (e.g. auto) with it, or leave it out."),
+    (TEXT + ["--restart"], "--restart recomputes a --dataset run's results; --text and --image runs keep none: leave "
+                           "it out."),
+    (IMAGE + ["--restart"], "--restart recomputes a --dataset run's results; --text and --image runs keep none: leave "
+                            "it out."),
     (["explain", "--model", "nothing.pth", "--image", "x.png"],
      "no Vim checkpoint file at 'nothing.pth'; pass a .pth file (the weights under 'model')."),
     # argparse's errors: a positive count, an option of another command

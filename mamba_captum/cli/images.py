@@ -41,6 +41,9 @@ def explain_images_command(args):
     if args.max_memory is not None:  # --device-map is refused above: nothing for it to bound
         raise UsageError("--max-memory bounds what --device-map places on each device; a Vision Mamba file is loaded "
                          "whole on --device: leave it out.")
+    if args.offload_folder is not None:  # nothing is offloaded without --device-map
+        raise UsageError("--offload-folder holds the weights --device-map puts on disk; a Vision Mamba file is loaded "
+                         "whole on --device: leave it out.")
     if Path(args.model).is_dir():
         raise UsageError(f"--model {args.model!r} is a folder (an HF checkpoint, which explains --text); --image needs "
                          "a Vision Mamba checkpoint file (.pth).")

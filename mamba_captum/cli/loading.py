@@ -63,6 +63,9 @@ def check_options(args) -> None:
     if args.max_memory is not None and args.device_map is None:  # load()'s words: tests/test_dispatch.py
         raise UsageError("max_memory (--max-memory) bounds what device_map='auto' places per device; give a "
                          "device_map (--device-map auto) with it.")
+    if args.offload_folder is not None and args.device_map is None:  # it would be ignored: said instead
+        raise UsageError("--offload-folder holds the weights --device-map puts on disk; without --device-map the "
+                         "model is loaded whole on --device: give --device-map (e.g. auto) with it, or leave it out.")
 
 
 def check_device_option(device: str | None) -> None:

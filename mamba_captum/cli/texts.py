@@ -98,6 +98,9 @@ def demo_command(args):
 
 
 def explain_command(args):
+    if args.restart and args.dataset is None:  # argparse cannot tie it to --dataset: said, not ignored
+        raise UsageError("--restart recomputes a --dataset run's results; --text and --image runs keep none: leave it "
+                         "out.")
     if args.image:
         return explain_images_command(args)
     if args.img_size is not None:  # argparse cannot tie it to --image: said, not ignored
