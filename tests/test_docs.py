@@ -47,12 +47,14 @@ README_INTRO_NAMES = {
 }
 
 
-def test_readme_opening_names_every_family():
-    """The first paragraph names every family the registry supports (a new family must be named there too)."""
+@pytest.mark.parametrize("page", ["README.md", "docs/index.md"])
+def test_the_opening_names_every_family(page):
+    """The first paragraph of the README and of the docs' home page names every family the registry supports (a
+    new family must be named there too)."""
     from mamba_captum.families.registry import FAMILY_MIXERS
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    opening = " ".join(readme.split("\n\n")[1].split())  # the paragraph after the title, one line
+    text = (ROOT / page).read_text(encoding="utf-8")
+    opening = " ".join(text.split("\n\n")[1].split())  # the paragraph after the title, one line
     assert set(README_INTRO_NAMES) == set(FAMILY_MIXERS)
     missing = [name for names in README_INTRO_NAMES.values() for name in names if name not in opening]
     assert not missing, missing
