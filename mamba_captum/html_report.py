@@ -19,6 +19,7 @@ import torch
 
 from ._version import __version__
 from .palette import palette_css, palette_rgb
+from .tokens import word_listing
 from .viz import scale_to_unit
 
 METHOD_TITLES = {"raw": "Raw attention (MambaRawAttention)", "rollout": "Attention rollout (MambaRollout)",
@@ -222,12 +223,8 @@ def unknown_words_note(item) -> str | None:
         return None
     token = getattr(item, "unknown_token", None) or "the unknown token"
     count = len(words)
-    counts = {}
-    for word in words:
-        if word is not None:
-            counts[word] = counts.get(word, 0) + 1
-    named = ": " + ", ".join(repr(w) + (f" ×{n}" if n > 1 else "") for w, n in counts.items()) if counts else \
-        " (this tokenizer gives no offsets to name them)"
+    known = [word for word in words if word is not None]
+    named = ": " + word_listing(known, shown=None) if known else " (this tokenizer gives no offsets to name them)"
     return (f"{count} word{'s' if count > 1 else ''} not in the tokenizer's vocabulary became {token}{named}; the "
             f"model saw, and the methods score, {token} in {'its' if count == 1 else 'their'} place.")
 

@@ -98,9 +98,9 @@ def unknown_words(tokenizer, text: str, *, add_special_tokens: bool = True) -> l
         word_ids = encoded.word_ids()
     except (AttributeError, ValueError, TypeError):
         word_ids = [None] * len(ids)
+    keys = [position if word is None else ("word", word) for position, word in enumerate(word_ids)]
     spans = {}  # word -> (start, end) over all of its pieces
-    for position, (word, (start, end)) in enumerate(zip(word_ids, offsets)):
-        key = position if word is None else ("word", word)
+    for key, (start, end) in zip(keys, offsets):
         first, last = spans.get(key, (start, end))
         spans[key] = (min(first, start), max(last, end))
     spelling = unknown_spelling(tokenizer)
@@ -108,7 +108,7 @@ def unknown_words(tokenizer, text: str, *, add_special_tokens: bool = True) -> l
     for position, token in enumerate(ids):
         if token != token_id:
             continue
-        key = position if word_ids[position] is None else ("word", word_ids[position])
+        key = keys[position]
         if key in named:
             continue  # one entry per word, however many of its pieces are unknown
         named.add(key)
@@ -118,13 +118,15 @@ def unknown_words(tokenizer, text: str, *, add_special_tokens: bool = True) -> l
     return words
 
 
-def _listing(words: list[str]) -> str:
-    """'a', 'b' ×2, ... and 3 more: each word once, in order, with its count."""
+def word_listing(words: list[str], shown: int | None = _SHOWN) -> str:
+    """'a', 'b' ×2, ... and 3 more: each word once, in order, with its count; ``shown``: how many are named (None:
+    all)."""
     counts = {}
     for word in words:
         counts[word] = counts.get(word, 0) + 1
-    named = [repr(w) + (f" ×{n}" if n > 1 else "") for w, n in list(counts.items())[:_SHOWN]]
-    more = len(counts) - _SHOWN
+    shown = len(counts) if shown is None else shown
+    named = [repr(w) + (f" ×{n}" if n > 1 else "") for w, n in list(counts.items())[:shown]]
+    more = len(counts) - shown
     return ", ".join(named) + (f" and {more} more" if more > 0 else "")
 
 
@@ -137,7 +139,7 @@ def unknown_words_message(tokenizer, text: str, words: list[str | None]) -> str:
     count = len(words)
     what = "word is" if count == 1 else "words are"
     named = [w for w in words if w is not None]
-    listed = f": {_listing(named)}" if named else " (this tokenizer gives no offsets to name them)"
+    listed = f": {word_listing(named)}" if named else " (this tokenizer gives no offsets to name them)"
     return (f"mamba_captum: in the text {_excerpt(text)}, {count} {what} not in the tokenizer's vocabulary and "
             f"became its unknown token {unknown_spelling(tokenizer)!r}{listed}; the explanation treats "
             f"{'it as one unknown word' if count == 1 else 'them as one unknown word each'} (use words of the "

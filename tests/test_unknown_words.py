@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers as tf
 from captum.attr import TextTokenInput
+from test_cli import run_main
 from tiny_models import make_model
 
 import mamba_captum as mc
-from mamba_captum import cli
 from mamba_captum.demo import model_dir
 from mamba_captum.explain import encode_text, explain, load
 from mamba_captum.tokens import unknown_positions, unknown_words
@@ -138,17 +138,6 @@ def test_a_word_target_in_attribute_names_the_fix(demo):
         with pytest.raises(TypeError, match=r"target='negative' is a string; .* pass "
                                             r"target=tokenizer.convert_tokens_to_ids\('negative'\)"):
             method.attribute(ids, target="negative")
-
-
-def run_main(capsys, *args):
-    bars = tf.utils.logging.is_progress_bar_enabled()
-    try:
-        code = cli.main([str(a) for a in args])
-    finally:
-        if bars:  # main turns HF's progress bars off for the rest of the process
-            tf.utils.logging.enable_progress_bar()
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_the_command_warns_in_one_line_per_text_and_restores_the_filters(capsys, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..files import json_kind
-from .images import ImageNotice
+from .images import ImageNotice, is_crop_pct, is_image_size
 from .modeling_vim import VisionMamba
 
 # The official registered names (timm) of the released models and their sizes; all bimamba v2, middle CLS token,
@@ -245,11 +245,11 @@ def read_training_record(checkpoint) -> dict | None:
         raise ValueError(f"mamba_captum: {str(file)!r} has a 'config' that is a JSON {json_kind(config)}, not an "
                          f"object; {fix}.")
     size = recorded_img_size(record)
-    if size is not None and not _is_size(size):
+    if size is not None and not is_image_size(size):
         raise ValueError(f"mamba_captum: {str(file)!r} has an 'img_size' of {json.dumps(size)}, not a positive "
                          f"integer or [height, width]; {fix}.")
     crop = record.get("crop_pct")
-    if crop is not None and not (isinstance(crop, (int, float)) and not isinstance(crop, bool) and 0 < crop <= 1):
+    if crop is not None and not is_crop_pct(crop):
         raise ValueError(f"mamba_captum: {str(file)!r} has a 'crop_pct' of {json.dumps(crop)}, not a number in "
                          f"(0, 1]; {fix}.")
     names = record.get("class_names")
@@ -261,7 +261,7 @@ def read_training_record(checkpoint) -> dict | None:
                          f"name, or {fix}.")
     top = record.get("img_size")
     if isinstance(config, dict) and config.get("img_size") is not None and top is not None \
-            and not (_is_size(top) and _pair(config["img_size"]) == _pair(top)):
+            and not (is_image_size(top) and _pair(config["img_size"]) == _pair(top)):
         raise ValueError(f"mamba_captum: {str(file)!r} gives two image sizes, {json.dumps(config['img_size'])} "
                          f"under 'config' and {json.dumps(top)} at the top; keep one, or {fix}.")
     return record
@@ -274,11 +274,6 @@ def recorded_img_size(record: dict):
     if isinstance(config, dict) and config.get("img_size") is not None:
         return config["img_size"]
     return record.get("img_size")
-
-
-def _is_size(value) -> bool:
-    positive = lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0  # noqa: E731
-    return positive(value) or (isinstance(value, list) and len(value) == 2 and all(map(positive, value)))
 
 
 def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> VisionMamba:

@@ -152,17 +152,27 @@ def preprocess(image, img_size=None, crop_pct: float | None = None, mean=IMAGENE
     return pixels[None].contiguous()
 
 
+def is_image_size(value) -> bool:
+    """A positive int, or a (height, width) tuple / list of them: what ``img_size`` may be (preprocess, load_vim,
+    training.json)."""
+    def positive(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    return positive(value) or (isinstance(value, (tuple, list)) and len(value) == 2 and all(map(positive, value)))
+
+
+def is_crop_pct(value) -> bool:
+    """A number in (0, 1] (NaN is not): the share of the resized image the evaluation transform keeps."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
 def _check_transform(img_size, crop_pct) -> None:
     """``img_size`` a positive int or a (height, width) pair of them; ``crop_pct`` a number in (0, 1]: anything
     else would give pixels of another size than asked (``"224"`` read as a pair of '2's) or a division by zero."""
-    def positive(value):
-        return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-    pair = isinstance(img_size, (tuple, list)) and len(img_size) == 2 and all(map(positive, img_size))
-    if not (positive(img_size) or pair):
+    if not is_image_size(img_size):
         raise ValueError(f"mamba_captum: preprocess img_size={img_size!r}: give a positive int or (height, width) "
                          "of positive ints (the model's input size, e.g. model.img_size).")
-    if isinstance(crop_pct, bool) or not isinstance(crop_pct, (int, float)) or not 0 < crop_pct <= 1:
+    if not is_crop_pct(crop_pct):
         raise ValueError(f"mamba_captum: preprocess crop_pct={crop_pct!r}: give a number in (0, 1], the share of "
                          "the resized image the centre crop keeps (0.875 for the official models, 1 for no crop).")
 
