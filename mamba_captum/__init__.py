@@ -13,13 +13,14 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API docs (mkdocst
     from .checks import NonFiniteError
     from .families import SUPPORTED_MIXERS
     from .fast_scans import fast_scans
+    from .fla_cpu import fla_on_cpu
     from .tokens import UnknownTokenWarning
     from .viz import as_hf_attentions, to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "ConservationError", "NonFiniteError",
            "SharedAttentionKey", "LayerPartKey", "SUPPORTED_MIXERS", "MambaAttribution", "MambaLRP",
            "MambaSelectionAttribution", "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans",
-           "to_visualization_record", "as_hf_attentions", "UnknownTokenWarning"]
+           "fla_on_cpu", "to_visualization_record", "as_hf_attentions", "UnknownTokenWarning"]
 
 # Each public name -> the module that defines it. They are imported on first use (PEP 562), not by
 # ``import mamba_captum``: the engine imports torch and transformers (seconds), and the ``mamba-captum`` command's
@@ -28,7 +29,8 @@ _HOMES = {"implicit_attention": ".attention", "build_operators": ".attention", "
           "SharedAttentionKey": ".attention", "LayerPartKey": ".attention", "NonFiniteError": ".checks",
           "ConservationError": ".attr", "MambaAttribution": ".attr", "MambaLRP": ".attr",
           "MambaSelectionAttribution": ".attr", "MambaRawAttention": ".attr", "MambaRollout": ".attr",
-          "RWKVAttribution": ".attr", "fast_scans": ".fast_scans", "SUPPORTED_MIXERS": ".families",
+          "RWKVAttribution": ".attr", "fast_scans": ".fast_scans", "fla_on_cpu": ".fla_cpu",
+          "SUPPORTED_MIXERS": ".families",
           "to_visualization_record": ".viz", "as_hf_attentions": ".viz", "UnknownTokenWarning": ".tokens"}
 
 

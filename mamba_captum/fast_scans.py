@@ -24,6 +24,8 @@ replaced by dispatchers:
   faster, ``benchmarks/bench_ssd_scan.py``); CUDA tensors, a gate ``z`` and
   packed sequences (``seq_idx`` / ``cu_seqlens``) stay on HF's function (on CUDA it is mamba-ssm's kernel when
   installed).
+- flash-linear-attention's models: every Triton function of fla on CPU tensors, through
+  :func:`mamba_captum.fla_on_cpu` (its own docstring; fla's kernels stay on CUDA tensors).
 - Griffin / RecurrentGemma: the method ``RecurrentGemmaRglru._rnn_scan``, swapped on the class. HF's own method
   for a single token (its one-step decode branch) and for an ``acc_dtype`` other than its default float32; else
   CUDA tensors (not float64) go to :func:`mamba_captum.kernels.rglru_scan.rglru_scan_triton`, everything else to
@@ -49,6 +51,7 @@ The dispatchers, their probes and the registry of swaps are in :mod:`mamba_captu
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Callable, Optional  # noqa: F401  (the annotations of Swap, importable from here as before)
 
 # the fast scans the dispatchers call, and selective_scan (the library's own models' scan), importable from here
@@ -57,6 +60,7 @@ from .kernels.scans import ssd_scan_reference  # noqa: F401
 from .kernels.selective_scan import selective_scan, selective_scan_chunked, selective_scan_triton  # noqa: F401
 from .kernels.triton_maps import triton_available  # noqa: F401
 from .kernels.wkv_scan import wkv_scan_chunked, wkv_scan_triton  # noqa: F401
+from .fla_cpu import fla_on_cpu as _fla_on_cpu, has_fla_modules as _has_fla_modules
 from .scan_checks import (ABSENT, ScanMismatchWarning, SwapCheck, check_swap, reset_swap_checks,  # noqa: F401
                           swap_checks)
 from .scan_checks import swap_passes as _swap_passes
@@ -92,6 +96,8 @@ def fast_scans(model=None):
     with contextlib.ExitStack() as stack:
         # HF's "falling back to its reference PyTorch implementation" would be wrong here: the fast scans run
         stack.enter_context(_kernel_fallback_quiet())
+        if (model is None and "fla.layers" in sys.modules) or (model is not None and _has_fla_modules(model)):
+            stack.enter_context(_fla_on_cpu())  # flash-linear-attention's Triton functions, torch on CPU tensors
         for key in keys:
             if not _swap_passes(key):  # absent, or it failed its check (warned once): HF's own function runs
                 continue

@@ -32,51 +32,8 @@ import torch
 from torch import nn
 
 from . import families
-
-
-class SharedPatch:
-    """A process-wide change held by any number of users: ``install()`` when the first one enters, ``uninstall(token)``
-    (with what ``install`` returned) when the last one leaves, both under a lock.
-
-    Entering and leaving in any interleaving of threads leaves the process as it was once every user has left.
-    """
-
-    def __init__(self, install, uninstall):
-        self._install, self._uninstall = install, uninstall
-        self._lock = threading.Lock()
-        self._users = 0
-        self._token = None
-
-    @property
-    def users(self) -> int:
-        return self._users
-
-    def __enter__(self):
-        with self._lock:
-            if self._users == 0:
-                self._token = self._install()
-            self._users += 1
-        return self
-
-    def __exit__(self, *exc):
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                token, self._token = self._token, None
-                self._uninstall(token)
-        return False
-
-
-# -- per-thread state ------------------------------------------------------------------------------------------------
-_local = threading.local()
-
-
-def thread_state(name: str, default_factory):
-    """This thread's value of ``name`` (created by ``default_factory`` on first use)."""
-    values = _local.__dict__
-    if name not in values:
-        values[name] = default_factory()
-    return values[name]
+from .fla_cpu import fla_on_cpu
+from .shared_state import SharedPatch, thread_state  # noqa: F401  (importable from here, as before)
 
 
 # -- one model, one call at a time -----------------------------------------------------------------------------------
@@ -240,9 +197,10 @@ def kernel_fallback_quiet():
 def session(model: nn.Module, decoder_layers: nn.Module, forward_func=None):
     """Everything around one of the library's calls on ``model``: the model's lock, what HF forwards change on the
     modules (RWKV's rescaling, RecurrentGemma's cached states) undone, gradient checkpointing off, compiled code
-    eager, transformers' kernel-fallback warnings silenced, and (unless a ``forward_func`` reads the outputs itself)
-    outputs returned as dicts."""
-    with model_lock(decoder_layers), kernel_fallback_quiet(), families.preserved_state(model), \
+    eager, transformers' kernel-fallback warnings silenced, flash-linear-attention's Triton functions in torch on CPU
+    tensors (:func:`mamba_captum.fla_on_cpu`, for a model with fla modules), and (unless a ``forward_func`` reads
+    the outputs itself) outputs returned as dicts."""
+    with model_lock(decoder_layers), kernel_fallback_quiet(), fla_on_cpu(model), families.preserved_state(model), \
             checkpointing_off(model), eager_if_compiled(model, forward_func), \
             (returning_dicts(model) if forward_func is None else contextlib.nullcontext()):
         yield

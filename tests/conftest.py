@@ -33,3 +33,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _transformers_layers_off_fla_kernels():
+    """With flash-linear-attention installed (the test extras install it), transformers sends its KDA and
+    gated-delta-rule kernels to fla's Triton ones, even on a CPU, where they cannot run. The tests' own forwards of
+    those HF models (their references) run inside ``mc.fla_on_cpu()``, which gives transformers' own torch bodies back:
+    what they computed before fla was installed. The library enters it by itself around its own forwards;
+    tests/test_fla_families.py checks that in a thread of its own, outside this context."""
+    from mamba_captum.fla_cpu import fla_available, fla_on_cpu
+
+    if not fla_available():
+        yield
+        return
+    with fla_on_cpu():
+        yield

@@ -44,6 +44,11 @@ README_INTRO_NAMES = {
     "mlstm": ["xLSTM"], "short_conv": ["LFM2 / LFM3's short convolutions"], "zamba": ["Zamba,"],
     "conv_attention": ["ZAYA"], "vision_short_conv": ["LFM3-VL's vision tower"],
     "packed_attention": ["LFM3-VL's vision tower"], "inkling": ["Inkling"], "inkling2": ["Inkling2"],
+    "fla_gla": ["flash-linear-attention's models", "GLA"], "fla_retnet": ["RetNet"], "fla_hgrn": ["HGRN,"],
+    "fla_hgrn2": ["HGRN-2"], "fla_linear_attn": ["linear attention"], "fla_lightnet": ["LightNet"],
+    "fla_delta_net": ["DeltaNet"], "fla_gated_deltanet": ["gated DeltaNet"], "fla_kda": ["fla's KDA"],
+    "fla_comba": ["Comba"], "fla_gated_deltaproduct": ["Gated DeltaProduct"], "fla_rwkv7": ["RWKV-7"],
+    "fla_rwkv6": ["RWKV-6"], "fla_mamba": ["fla's Mamba"], "fla_mamba2": ["Mamba-2 layers"],
 }
 
 

@@ -5,13 +5,10 @@ Bailing-Hybrid, GLM-5-Next) and the constant-decay linear attention of MiniMax (
 Each oracle is run on what the HF layer itself computed (the arguments its kernel received, or its q / k read with
 the test's own hook) with one-hot values: value channel s of token s is 1, so the oracle's output at token t, channel
 s is the weight of token s in token t's output, α[t, s]. fla's references compute in float32; the maps come from
-the float64 model. fla-core is not a dependency: where ``import fla`` succeeds, transformers swaps its torch
-delta-rule kernels for fla's Triton ones, which fail on a CPU. The test installs the pinned wheel (pure Python) with
-``pip install --no-deps --target`` into pytest's cache directory, outside ``sys.path``, and loads the two or three
-``naive.py`` files it needs by path."""
+the float64 model. fla is installed with the test extras (the fla extra): with it, transformers sends its delta-rule
+kernels to fla's Triton ones, which fail on a CPU, so the forwards run inside ``mc.fla_on_cpu()`` (transformers'
+own torch bodies). The ``naive.py`` files are loaded by path, so that nothing of fla's Triton code is involved."""
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,23 +16,16 @@ import torch
 from conftest import relative_error
 from test_linear_families import KERNEL_FUNCTIONS, KernelRecorder, linear_operators, make, mixers, padded_batch
 
+import mamba_captum as mc
+
 ORACLE_TOL = 1e-5  # fla's float32 recurrences against the float64 maps
 
 
-FLA_CORE = "fla-core==0.6.0"
-
-
 @pytest.fixture(scope="module")
-def fla_root(request) -> Path:
-    """The ``fla`` folder of fla-core 0.6.0, installed once into pytest's cache (not importable as ``fla``)."""
-    target = request.config.cache.mkdir("fla-core-0.6.0")
-    root = target / "fla"
-    if not (root / "ops" / "gated_delta_rule" / "naive.py").is_file():
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
-                               "--target", str(target), FLA_CORE], capture_output=True, text=True)
-        assert done.returncode == 0, f"pip could not fetch the {FLA_CORE} oracle (a package index is needed once):" \
-                                     f"\n{done.stderr[-2000:]}"
-    return root
+def fla_root() -> Path:
+    """The installed ``fla`` package's folder (fla-core 0.6)."""
+    import importlib.util as util
+    return Path(util.find_spec("fla").origin).parent
 
 
 def fla_naive(root: Path, op: str):
@@ -82,7 +72,8 @@ def run_oracle(root, kernel, q, k, v, g, beta):
 def test_delta_rule_maps_equal_fla_naive_recurrence_on_one_hot_values(family, fla_root):
     model = make(family, torch.float64)
     ids, mask = padded_batch(family=family)
-    with KernelRecorder(family) as recorder, torch.no_grad():
+    # fla_on_cpu first: with fla installed, transformers sends these kernels to fla's Triton ones, even on a CPU
+    with mc.fla_on_cpu(), KernelRecorder(family) as recorder, torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=False)
     operators = linear_operators(model, ids, mask, "hidden")
     assert len(recorder.calls) == len(operators) > 0

@@ -164,7 +164,8 @@ def delta_rule_reference(args, kwargs):
 def test_hidden_identity_against_the_kernels_own_inputs(family):
     model = make(family, torch.float64)
     ids, mask = padded_batch(family=family)
-    with KernelRecorder(family) as recorder, torch.no_grad():
+    # fla_on_cpu first: with fla installed, transformers sends these kernels to fla's Triton ones, even on a CPU
+    with mc.fla_on_cpu(), KernelRecorder(family) as recorder, torch.no_grad():
         model(input_ids=ids, attention_mask=mask, use_cache=False)
     operators = linear_operators(model, ids, mask, "hidden")
     assert len(recorder.calls) == len(operators) > 0

@@ -17,6 +17,15 @@ one number per head shared by all the head's value channels.
 - :func:`delta_rule_alpha_chunked`: the chunked WY form (a unit-triangular solve per chunk of C tokens and
   GEMMs against the state), O(L² K) per head and no L × L × K × K product; what the library runs.
 
+With states, as a stand-in for flash-linear-attention's delta-rule ops (``chunk_delta_rule``,
+``chunk_gated_delta_rule``, ``chunk_kda`` and their ``fused_recurrent_*`` twins with precomputed decays and betas):
+``(o, final_state) = f(q, k, v, beta, log_decay=None, *, scale=None, initial_state=None, output_final_state=False)``
+with o_t = scale · S_tᵀ q_t (scale default K^−½), v (B, L, HV, V), states (B, HV, K, V).
+
+- :func:`delta_rule_recurrent`: token by token, the reference (equal to fla's ``naive.py`` recurrences).
+- :func:`delta_rule_chunked_states`: the chunked WY form with the state carried between chunks (64 tokens per
+  chunk, 8 with per-channel decays); autograd gives the gradients of every input.
+
 Inputs: q, k (B, L, H, K) as the kernel sees them (normalised and scaled, key heads already repeated for the value
 heads), beta (B, L, H), log_decay g (B, L, H) or (B, L, H, K), ≤ 0. Output α (B, H, L, L), zero above the diagonal.
 """
@@ -24,8 +33,11 @@ from __future__ import annotations
 
 from .chunked import delta_rule_alpha_chunked, delta_rule_output_chunked
 from .naive import delta_rule_alpha_naive
+from .recurrent import delta_rule_recurrent
+from .states import delta_rule_chunked_states
 
-__all__ = ["delta_rule_alpha", "delta_rule_alpha_chunked", "delta_rule_alpha_naive", "delta_rule_output_chunked"]
+__all__ = ["delta_rule_alpha", "delta_rule_alpha_chunked", "delta_rule_alpha_naive", "delta_rule_output_chunked",
+           "delta_rule_recurrent", "delta_rule_chunked_states"]
 
 
 def delta_rule_alpha(q, k, beta, log_decay, *, last_row=None):

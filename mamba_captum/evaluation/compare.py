@@ -29,7 +29,9 @@ ALL_COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 FAMILY_COMPONENTS = {"mamba": ("gate", "act", "conv"), "mamba2": ("gate", "act", "conv", "norm"),
                      "bamba": ("gate", "act", "conv", "norm"), "jamba": ("gate", "act", "conv"), "rwkv": ("gate",),
                      "recurrent_gemma": ("gate", "conv"), "qwen3_next": ("gate", "act", "conv", "norm"),
-                     "lfm2": ("gate", "act", "conv"), "xlstm": ("gate", "norm")}
+                     "lfm2": ("gate", "act", "conv"), "xlstm": ("gate", "norm"),
+                     # fla's tiny models have no short convs: their unified operators are gate · norm · core
+                     "gla": ("gate", "norm"), "retnet": ("gate", "norm"), "rwkv7": ("gate", "norm")}
 # Families whose operator has no core for "s6" to switch (LFM2's short conv: the band is the conv itself).
 CORELESS = ("lfm2",)
 ABLATIONS = {"w/o act": ("act",), "w/o gate": ("gate",), "w/o conv": ("conv",), "w/o S6": ("s6",),

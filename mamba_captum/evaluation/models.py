@@ -17,9 +17,13 @@ import torch
 import transformers as tf
 
 from ..fast_scans import fast_scans
+from ..fla_cpu import fla_available, import_fla_models
 from .tasks import ClassificationTask, long_range_task, negation_task, bbc_news, make_task
 
-FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm")
+FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm", "gla", "retnet",
+            "rwkv7")
+# flash-linear-attention's models (pip install "mamba-captum[fla]"): trained and explained on CPU through fla_on_cpu
+FLA_FAMILIES = ("gla", "retnet", "rwkv7")
 # Bamba also has a tiny config (tiny_config("bamba", ...)) but never left chance on needle: see docs/faithfulness.md.
 WEIGHTS = "weights"
 CURRICULUM_STEPS = 200
@@ -84,7 +88,33 @@ def tiny_config(family: str, vocab_size: int, length: int) -> tf.PretrainedConfi
         # ignores attention_mask; the tasks have no padding. HF's xLSTMForCausalLM keeps its own lm_head (no tying).
         return tf.xLSTMConfig(num_hidden_layers=2, num_heads=2, chunk_size=16, ffn_proj_factor=2.0,
                               ffn_round_up_to_multiple_of=16, use_cache=False, **{**common, "tie_word_embeddings": False})
+    if family in FLA_FAMILIES:
+        return _fla_config(family, common)
     raise ValueError(f"mamba_captum: unknown family {family!r}; choose one of {FAMILIES}.")
+
+
+def _fla_models():
+    """flash-linear-attention's ``fla.models`` (its model types registered with transformers), or a clear error."""
+    if not fla_available():
+        raise ImportError('mamba_captum: the families gla, retnet and rwkv7 are flash-linear-attention models: pip '
+                          'install "mamba-captum[fla]".')
+    return import_fla_models()
+
+
+def _fla_config(family: str, common: dict):
+    """fla's tiny configs: width 32, two layers of the family with fla's MLPs; GLA and RetNet with 2 heads of 16
+    value channels (8 key channels for GLA's expand_k 0.5), RWKV-7 with 2 heads of 16 and low-rank gates of 8; fla's
+    fused cross-entropy off (the classifiers' loss is computed outside the model)."""
+    fla_models = _fla_models()
+    # initializer_range 0.1 (fla's default 0.02): at 0.02 the tiny GLA stayed at chance on needle for 1,500 steps
+    # (loss ln 2 throughout; its gradients checked exact against finite differences); at 0.1 it learns in 100 steps
+    common = dict(common, num_hidden_layers=2, fuse_cross_entropy=False, use_cache=False, initializer_range=0.1)
+    if family == "gla":
+        return fla_models.GLAConfig(num_heads=2, expand_k=0.5, expand_v=1.0, hidden_ratio=2, **common)
+    if family == "retnet":
+        return fla_models.RetNetConfig(num_heads=2, expand_k=1, expand_v=1, hidden_ratio=2, **common)
+    return fla_models.RWKV7Config(head_dim=16, decay_low_rank_dim=8, gate_low_rank_dim=8, a_low_rank_dim=8,
+                                  v_low_rank_dim=8, hidden_ratio=2, **{**common, "tie_word_embeddings": False})
 
 
 def _mamba2_time_steps(model, generator, low=1e-3, high=1e-1, mixers=("BambaMixer",)):
@@ -245,5 +275,7 @@ def load_classifier(family: str, task_name: str, root: Path | None = None):
     Returns ``(model, record)``."""
     record = training_record(family, task_name, root)
     path = (root or weights_root()) / f"{family}-{task_name}"
+    if family in FLA_FAMILIES:
+        _fla_models()  # fla's model types, known to transformers' Auto classes once fla.models is imported
     return tf.AutoModelForCausalLM.from_pretrained(path).eval(), record
 

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from ..files import atomic_target, check_outputs, write_atomically
+from ..fla_cpu import fla_available
 from ..usage import evaluate_parser
-from .models import FAMILIES, training_record, weights_root
+from .models import FAMILIES, FLA_FAMILIES, training_record, weights_root
 from .results import LOCALISATION, PERTURBATION, journal_problem, read_doc, read_results
 from .tasks import TASKS
 
@@ -39,6 +40,9 @@ def available_models(families, tasks, root=None, bar=ACCURACY_BAR):
                 record = training_record(family, task, root)
             except FileNotFoundError:
                 skipped.append((family, task, "not trained"))
+                continue
+            if family in FLA_FAMILIES and not fla_available():
+                skipped.append((family, task, 'flash-linear-attention not installed (pip install "mamba-captum[fla]")'))
                 continue
             if task != "bbc_news" and record["held_out_accuracy"] < bar:
                 skipped.append((family, task, f"held-out accuracy {record['held_out_accuracy']:.1%} < {bar:.0%}"))

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..families import SUPPORTED_MIXERS
+from ..fla_cpu import fla_available, import_fla_models
 # defined where torch is not imported, so that the command line checks a request before it imports the library
 from ..usage import UsageError, check_device
 
@@ -90,6 +91,21 @@ def _check_vocabulary(tokenizer, path: Path) -> None:
                          "are missing); save it there with tokenizer.save_pretrained(DIR).")
 
 
+def _register_fla_model_type(path: Path) -> None:
+    """Import flash-linear-attention's models when the checkpoint's model type is one transformers does not know and fla
+    is installed: fla registers its types with transformers' Auto classes on import (without taking over transformers'
+    own types, :func:`mamba_captum.fla_cpu.import_fla_models`)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # AutoConfig reports the unreadable file
+    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or not fla_available():
+        return
+    import_fla_models()
+
+
 def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=None, max_memory=None,
          offload_folder=None):
     """A local HF checkpoint directory -> (model in eval mode, tokenizer), offline. Errors are :class:`UsageError`.
@@ -122,6 +138,7 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=N
                          offload_folder=str(offload_folder or _offload_folder()))
     else:
         check_device(device)
+    _register_fla_model_type(path)
     try:
         config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as error:  # only the file is read here: malformed JSON, an unknown model_type, a wrong field

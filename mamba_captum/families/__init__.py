@@ -11,6 +11,7 @@ methods know nothing of the families.
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +87,22 @@ MIXER_NAME_FRAGMENTS = ("DeltaNet", "DeltaAttention", "ShortConv", "LightningAtt
 CONTAINER_NAME_FRAGMENTS = ("DecoderLayer", "Block", "Model", "For")  # layers and models named after their mixer
 
 
+def is_fla_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of flash-linear-attention's token-mixer layers (a class of ``fla.layers.__all__``, or
+    one of fla's model-specific mixers that the catalogue refuses)."""
+    cls = type(module)
+    if cls.__module__.startswith("fla.") and cls.__name__ in catalogue.FLA_EXCLUDED:
+        return True  # a model-specific mixer of fla.models (CAT's attention), refused with its reason
+    if not cls.__module__.startswith("fla.layers."):
+        return False
+    layers = sys.modules.get("fla.layers")
+    return layers is not None and cls.__name__ in getattr(layers, "__all__", ())
+
+
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
+    if is_fla_layer(module):  # every fla layer mixes tokens: an adapter explains it, or it is refused
+        return name not in MIXER_FAMILIES
     if name in REFUSED or name in catalogue.DECODER_MIXERS:  # known not to fit, whether or not an adapter exists
         return True
     if name in MIXER_FAMILIES:

@@ -91,6 +91,29 @@ EXCLUDED: dict[str, tuple[str, str]] = {
 DECODER_MIXERS = frozenset({"Qwen4ExpTextPLELayer"})
 
 
+# flash-linear-attention's token-mixer layers (``fla.layers.__all__``) left out, with why (docs/families/fla.md).
+# Every other fla layer either has an adapter or is refused as "not supported yet".
+FLA_EXCLUDED: dict[str, str] = {
+    "Attention": "softmax attention (fla's flash-attention layer of its hybrid models)",
+    "BitAttention": "softmax attention over ternary-weight (BitNet) projections",
+    "ForgettingAttention": "softmax attention with a data-dependent forget bias (Forgetting Transformer)",
+    "MoBA": "softmax attention over a routed mixture of key blocks",
+    "NativeSparseAttention": "softmax attention over compressed, selected and sliding-window key blocks",
+    "PaTHAttention": "softmax attention over keys transformed by position-dependent Householder products",
+    "StickBreakingAttention": "stick-breaking attention: a product of sigmoids over the scores, not linear in the "
+                              "values' weights",
+    "MultiheadLatentAttention": "softmax attention (DeepSeek's multi-head latent attention)",
+    "SlidingWindowSharedKeyAttention": "softmax attention in a sliding window",
+    "WallAttention": "softmax attention with a data-dependent decay bias",
+    "YOCOCrossAttention": "softmax cross-attention to the shared key-value cache (YOCO)",
+    "DeltaFormerAttention": "softmax attention whose values are built by a delta rule over softmax scores",
+    "CATDecoderAttention": "softmax attention over compressed chunks (CAT, torch flex_attention)",
+    "Parallax": "softmax attention with secondary queries (fla's parallel_parallax)",
+}
+
+
 def refusal(name: str) -> str | None:
     """Why the decoder-layer module class ``name`` cannot be explained, or None if the catalogue does not refuse it."""
+    if name in FLA_EXCLUDED:
+        return FLA_EXCLUDED[name]
     return EXCLUDED[name][1] if name in DECODER_MIXERS else None

@@ -10,7 +10,7 @@ hidden  (Ali et al.):     α_c[i,j] = Σ_n C_i[n] exp(A_cn Σ_{k=j+1..i} Δ_kc) 
 unified (Zimerman et al.): H_c = diag(silu(z_c)) α_c diag(σ(c_c)·m) M_c                   over x (the conv input).
 
 :func:`scan_pieces` and :func:`selective_operator` (one scan direction) are shared with the bidirectional Vim
-mixer (:mod:`mamba_captum.families.vim`).
+mixer (:mod:`mamba_captum.families.vim`), and with :func:`pieces_operator` with fla's Mamba (:mod:`.fla_mamba`).
 """
 from __future__ import annotations
 
@@ -149,10 +149,23 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                     D=mixer.D, rank=mixer.time_step_rank, state_size=mixer.ssm_state_size, norms=norms,
                     unfused=call.unfused, work_dtype=work_dtype, check_dtype=check_dtype(hidden))
     del x, z  # the pieces hold what they need: the in_proj output goes (long sequences)
-    rebuilt = run(mixer.out_proj, ((p.scan + p.skip) * p.gate).to(hidden.dtype))
+    return pieces_operator(p, mixer.out_proj, hidden, mask, formulation, components, work_dtype)
+
+
+def pieces_operator(p: ScanPieces, out_proj_module, hidden: torch.Tensor, mask, formulation: str,
+                    components: frozenset, work_dtype: torch.dtype):
+    """The operator of a Mamba-1 mixer whose output is ``out_proj((scan + D·u) · silu(z))``, and that output rebuilt
+    from the scan pieces ``p`` (shared by the transformers and fla Mamba adapters).
+
+    Args:
+        hidden: (B, L, D_model) the mixer input (its dtype is the rebuilt output's). mask: (B, L) or None.
+    Returns:
+        (the :class:`SelectiveOperator`, the rebuilt mixer output (B, L, D_model)).
+    """
+    rebuilt = run(out_proj_module, ((p.scan + p.skip) * p.gate).to(hidden.dtype))
 
     operator_mask = None if mask is None else mask.to(work_dtype)
-    out_proj = linear_readout(mixer.out_proj)
+    out_proj = linear_readout(out_proj_module)
     # the readouts hold only what they read, not the pieces (u, z, pre, scan: (B, L, D_in) each, long sequences)
     if formulation == "hidden":  # the operator's output is the scan; the D skip and the gate come after it
         skip, gate = p.skip.double(), p.gate.double()

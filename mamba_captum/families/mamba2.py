@@ -11,6 +11,8 @@ input is taken from hooks; the rest is recomputed, so any kernel path gives the 
 hidden:  α_h[i,j] = (C_i · B_j)_{g(h)} exp(A_h Σ_{k=j+1..i} Δ_kh) Δ_jh                 over x after conv.
 unified: H_c = diag(ν_c) diag(silu(z_c)) α_h diag(σ(c_c)·m) M_c  for channel c of head h    over x before conv,
          ν the norm scale weight / rms, computed from the real activations.
+
+:func:`ssd_operator` (the operator from the projections) is shared with fla's Mamba-2 (:mod:`.fla_mamba2`).
 """
 from __future__ import annotations
 
@@ -65,47 +67,73 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         (operator, rebuilt_output): the :class:`SSDOperator` and the mixer output recomputed from it, (B, L, D_model).
     """
     mixer, projected = _projected(call, "the unified operator is defined for silu")
+    z, xbc, dt = projected.split([mixer.intermediate_size, mixer.conv_dim, mixer.num_heads], dim=-1)
+    return ssd_operator(call, formulation, components, work_dtype, z=z, xbc=xbc, dt=dt, conv=mixer.conv1d,
+                        heads=mixer.num_heads, head_dim=mixer.head_dim, groups=mixer.n_groups,
+                        state=mixer.ssm_state_size, time_step_limit=mixer.time_step_limit, A_log=mixer.A_log,
+                        dt_bias=mixer.dt_bias, D=mixer.D[:, None],
+                        norm_scale=lambda y, gate: _norm_scale(mixer, y, gate, call.unfused), out_proj=mixer.out_proj)
+
+
+def ssd_operator(call, formulation: str, components: frozenset, work_dtype: torch.dtype, *, z, xbc, dt, conv,
+                 heads: int, head_dim: int, groups: int, state: int, time_step_limit, A_log, dt_bias, D, norm_scale,
+                 out_proj, tiled_groups: bool = False):
+    """The operator of a Mamba-2 mixer from its projections, and the mixer output rebuilt from it: ``xBC = silu(conv(
+    xBC) + b)`` (re-masked on the unfused path), ``y = SSD(x) + D·x``, ``out = out_proj(ν · silu(z) · y)`` (shared by
+    the transformers and fla Mamba-2 adapters).
+
+    Args:
+        z: (B, L, H·P) the gate input; xbc: (B, L, H·P + 2·G·N) the conv input (as the mixer masks it); dt: (B, L, H)
+            the time steps before ``dt_bias``; all in the model's dtype.
+        conv: the depthwise ``nn.Conv1d`` over xBC; time_step_limit: (low, high) Δ's clamp; A_log, dt_bias: (H,);
+            D: the skip, broadcastable to (H, P).
+        norm_scale: ``(y, gate) -> ν`` (B, L, H·P), the gated norm's per-token scale of y (before the gate), or None
+            for a mixer without a norm.
+        tiled_groups: head h reads B, C of group h mod G (fla's torch path tiles the groups) instead of group
+            h // (H/G) (mamba-ssm's kernels, transformers); the operator then holds one B, C per head.
+    Returns:
+        (the :class:`SSDOperator`, the rebuilt mixer output (B, L, D_model)).
+    """
     hidden, mask = call.hidden_states, call.attention_mask
     batch, length, _ = hidden.shape
-    heads, head_dim, groups, state = mixer.num_heads, mixer.head_dim, mixer.n_groups, mixer.ssm_state_size
-    d_inner = mixer.intermediate_size
-    z, xbc, dt = projected.split([d_inner, mixer.conv_dim, heads], dim=-1)
-    conv = mixer.conv1d
+    d_inner = heads * head_dim
     kernel = conv.weight.shape[-1]
     pre = F.conv1d(xbc.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias, padding=kernel - 1,
-                   groups=mixer.conv_dim)[..., :length].transpose(1, 2)
+                   groups=conv.weight.shape[0])[..., :length].transpose(1, 2)
     act = F.silu(pre).to(xbc.dtype)
     if call.unfused:  # the fused training kernel does not re-apply the pad mask after the conv
         act = masked_tokens(act, mask)
     x, B, C = act.split([d_inner, groups * state, groups * state], dim=-1)
 
     w = lambda t: t.to(work_dtype)
-    low, high = mixer.time_step_limit
-    delta = torch.clamp(F.softplus(w(dt) + w(mixer.dt_bias)), min=low, max=high)  # (B, L, H)
-    A = -torch.exp(w(mixer.A_log))
+    low, high = time_step_limit
+    delta = torch.clamp(F.softplus(w(dt) + w(dt_bias)), min=low, max=high)  # (B, L, H)
+    A = -torch.exp(w(A_log))
     x, z, pre_x = w(x), w(z), w(pre[..., :d_inner])
     B, C = w(B).view(batch, length, groups, state), w(C).view(batch, length, groups, state)
+    if tiled_groups and groups > 1:
+        B, C = B.repeat(1, 1, heads // groups, 1), C.repeat(1, 1, heads // groups, 1)  # (B, L, H, N)
 
     x_heads = x.view(batch, length, heads, head_dim)
     # the part that comes from tokens, (B, L, H, P): scanned in the model's precision (float64 models in float64), as
     # Mamba-1's check scan; its exponents are float64 either way
     check = lambda t: t.to(check_dtype(hidden))  # noqa: E731
     ssd = w(ssd_scan_reference(check(x_heads), check(delta), check(A), check(B), check(C)))
-    skip = w(mixer.D)[:, None] * x_heads
+    skip = w(D) * x_heads
     y = (ssd + skip).reshape(batch, length, d_inner)
     gate = F.silu(z)
-    nu = _norm_scale(mixer, y, gate, call.unfused)
+    nu = norm_scale(y, gate)
     inner = y * gate if nu is None else nu * gate * y
-    rebuilt = run(mixer.out_proj, inner.to(hidden.dtype))
+    rebuilt = run(out_proj, inner.to(hidden.dtype))
 
     operator_mask = None if mask is None else w(mask)
-    out_proj = linear_readout(mixer.out_proj)
+    readout_proj = linear_readout(out_proj)
     gate64, skip64 = gate.double(), skip.double()
     if formulation == "hidden":  # the operator's output is the SSD scan; skip, gate and norm come after it
         def readout(out):
             full = (out + skip64).reshape(batch, length, d_inner)
-            scale = _norm_scale(mixer, full, gate64, call.unfused)
-            return out_proj(full * gate64 * (1.0 if scale is None else scale))
+            scale = norm_scale(full, gate64)
+            return readout_proj(full * gate64 * (1.0 if scale is None else scale))
 
         return SSDOperator(delta, A, B, C, operator_mask, values=x_heads, output=ssd, readout=readout), rebuilt
     # unified: the operator's output is out_proj's input without the skip's share (ν fixed at its real value)
@@ -113,7 +141,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     skip_share = (skip.reshape(batch, length, d_inner) * token_scale).double()
 
     def readout(out):
-        return out_proj(out.reshape(batch, length, d_inner) + skip_share)
+        return readout_proj(out.reshape(batch, length, d_inner) + skip_share)
 
     def per_head(t):
         return None if t is None else t.reshape(batch, length, heads, head_dim)

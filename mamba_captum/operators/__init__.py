@@ -35,11 +35,13 @@ from ..kernels.reductions import REDUCTIONS, reduce_channels
 from .common import masked_tokens, operator_output_grad
 from .composite import ChannelBlocksOperator, ComposedOperator, SumOperator
 from .decay import DecayOperator
-from .heads import DeltaRuleCore, DenseCore, GatedScoresCore, HeadOperator, gate_norm_rows
+from .heads import (DeltaProductCore, DeltaRuleCore, DenseCore, DPLRCore, GatedLinearCore, GatedScoresCore,
+                    HeadOperator, gate_norm_rows)
 from .selective import BidirectionalOperator, SelectiveOperator, SSDOperator
 from .softmax import SoftmaxOperator
 
 __all__ = ["REDUCTIONS", "BidirectionalOperator", "ChannelBlocksOperator", "ComposedOperator", "DecayOperator",
-           "DeltaRuleCore", "DenseCore", "GatedScoresCore", "HeadOperator", "SSDOperator", "SelectiveOperator",
-           "SoftmaxOperator", "SumOperator", "band_entries", "banded_maps", "causal_band", "causal_neighbours",
-           "gate_norm_rows", "masked_tokens", "operator_output_grad", "reduce_channels", "skip_taps", "sparse_conv"]
+           "DPLRCore", "DeltaProductCore", "DeltaRuleCore", "DenseCore", "GatedLinearCore", "GatedScoresCore",
+           "HeadOperator", "SSDOperator", "SelectiveOperator", "SoftmaxOperator", "SumOperator", "band_entries",
+           "banded_maps", "causal_band", "causal_neighbours", "gate_norm_rows", "masked_tokens",
+           "operator_output_grad", "reduce_channels", "skip_taps", "sparse_conv"]

@@ -1,5 +1,6 @@
 """One core per head, weighted per channel (:class:`HeadOperator`, through :mod:`mamba_captum.kernels.heads`), and
-its cores: the delta rule and KDA, decayed linear attention (lightning attention, mLSTM), softmax probabilities with
+its cores: the delta rule and KDA, decayed linear attention (lightning attention, mLSTM; GLA-style per-channel decays:
+:class:`GatedLinearCore`), softmax probabilities with
 convolved values. Without a core it is a band (LFM2's short conv, LFM3-VL's vision conv)."""
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from ..kernels.bands import band_entries, banded_maps
 from ..kernels.delta_rule import delta_rule_alpha
+from ..kernels.dplr.chunked import dplr_alpha_rows
+from ..kernels.gated_linear import gated_linear_alpha_rows
 from ..kernels.gated_scores import gated_scores_alpha_rows
 from ..kernels.heads import head_maps_blocked
 from ..kernels.taps import post_conv_columns
@@ -52,6 +55,30 @@ class DeltaRuleCore(_Core):
 
 
 @dataclass
+class DeltaProductCore(DeltaRuleCore):
+    """The gated delta product (fla's GatedDeltaProduct): the (gated) delta rule over L·n sub-steps, n = ``substeps``
+    per token, read at each token's last sub-step. q, k (B, L·n, H, K), beta (B, L·n, H), log_decay (B, L·n, H[, K])
+    laid out over the sub-steps (q zero but on the last sub-steps). One core per sub-step j and head h,
+    α_(j,h)[t, s] = α_h[t·n + n − 1, s·n + j] (the weight of the value written at sub-step j of token s in token t's
+    output): rows (n·H, R, L), core j·H + h."""
+
+    substeps: int = 1
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        n = self.substeps
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.q.device)
+        picked = super().rows(b, rows * n + n - 1)  # (H, R, L·n)
+        heads, count = picked.shape[:2]
+        return picked.reshape(heads, count, -1, n).permute(3, 0, 1, 2).reshape(n * heads, count, -1)
+
+    def full(self) -> torch.Tensor:
+        """The whole core, (B, n·H, L, L)."""
+        batch, length = self.q.shape[0], self.q.shape[1] // self.substeps
+        rows = torch.arange(length, device=self.q.device)
+        return torch.stack([self.rows(b, rows) for b in range(batch)])
+
+
+@dataclass
 class GatedScoresCore(_Core):
     """Decayed linear attention, :mod:`kernels.gated_scores`: α_h[i, j] = (q_i · k_j) exp(G_i − G_j + log_col_j +
     log_row_i). q, k (B, L, H, K); cumulative, log_col, log_row (B, L, H) float64 (log_col / log_row may be None)."""
@@ -67,6 +94,62 @@ class GatedScoresCore(_Core):
         pick = lambda t: None if t is None else t[b]  # noqa: E731
         return gated_scores_alpha_rows(self.q[b], self.k[b], self.cumulative[b], pick(self.log_col),
                                        pick(self.log_row), rows)
+
+
+@dataclass
+class GatedLinearCore(_Core):
+    """Linear attention with data-controlled decays (GLA, HGRN-2, simple GLA, RetNet; RWKV-6 with its ``bonus``),
+    :mod:`kernels.gated_linear`: α_h[t, s] = scale · Σ_k q_t,k k_s,k exp(Γ_t,k − Γ_s,k) for s ≤ t (RWKV-6: decays to
+    t − 1 and the bonus u on the diagonal). q, k (B, L, H, K); log_decay (B, L, H, K) per key channel, (B, L, H) per
+    head, or None; bonus (H, K) or None."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    log_decay: torch.Tensor | None
+    scale: float
+    bonus: torch.Tensor | None = None
+    CAST = ("q", "k", "bonus")  # the log decays stay float64: their cumsums feed exponentials
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        decay = None if self.log_decay is None else self.log_decay[b]
+        return gated_linear_alpha_rows(self.q[b], self.k[b], decay, rows, scale=self.scale, bonus=self.bonus)
+
+
+@dataclass
+class DPLRCore(_Core):
+    """The generalized delta rule with a diagonal-plus-low-rank transition (RWKV-7), :mod:`kernels.dplr`:
+    α_h[t, s] = scale · q_tᵀ (D_t + b_t a_tᵀ) ⋯ (D_{s+1} + b_{s+1} a_{s+1}ᵀ) k_s for s ≤ t, D_t = diag(exp(g_t)) with
+    g = log_decay, plus ``diagonal`` (B, L, H) on α_h[t, t] (RWKV-7's bonus of the current token) when given. q, k,
+    a, b (B, L, H, K) as the kernel uses them (a reads the state, b writes it); log_decay (B, L, H, K) float64.
+
+    ``channel_scale`` (B, L, H, P): one core per value channel c = (h, p) instead, α_c[t, s] = channel_scale_c[t] ·
+    α_h[t, s] + δ_ts · diagonal_h[t], rows (H·P, R, L), for a :class:`HeadOperator` of H·P heads of one channel:
+    a per-channel factor between the recurrence and the bonus (RWKV-7's group-norm weight) cannot be a row weight of
+    a per-head core."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    log_decay: torch.Tensor
+    scale: float = 1.0
+    diagonal: torch.Tensor | None = None
+    channel_scale: torch.Tensor | None = None
+    CAST = ("q", "k", "a", "b", "diagonal", "channel_scale")  # the log decays stay float64
+
+    def rows(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.q.device)
+        alpha = dplr_alpha_rows(self.q[index], self.k[index], self.a[index], self.b[index], self.log_decay[index],
+                                rows, scale=self.scale)  # (H, R, L)
+        if self.channel_scale is not None:
+            factor = self.channel_scale[index, rows].to(alpha.dtype).permute(1, 2, 0)  # (H, P, R)
+            alpha = (factor[..., None] * alpha[:, None]).flatten(0, 1)  # (H·P, R, L)
+        if self.diagonal is not None:
+            heads = self.diagonal.shape[-1]
+            bonus = self.diagonal[index, rows].to(alpha.dtype).T  # (H, R)
+            bonus = bonus.repeat_interleave(alpha.shape[0] // heads, dim=0)  # per channel: its head's
+            alpha[:, torch.arange(len(rows), device=alpha.device), rows] += bonus  # (alpha: a fresh tensor)
+        return alpha
 
 
 @dataclass

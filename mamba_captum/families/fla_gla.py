@@ -1,0 +1,99 @@
+"""flash-linear-attention's gated linear attention: ``GatedLinearAttention`` (model type ``gla``).
+
+Forward (fla 0.6.0, ``fla/layers/gla.py``): q, k, v = the projections of h (optionally each through a SiLU short
+conv); ``gk = logsigmoid(gk_proj h) / gate_logit_normalizer`` (clamped below at ``clamp_min`` when set), one log decay
+per key channel; key / value heads repeated for ``num_kv_heads``; an optional feature map on q and k;
+``o = gla(q, k, v, gk)``: S_t = diag(exp(gk_t)) S_{t−1} + k_t v_tᵀ, o_t = K^−½ S_tᵀ q_t; then the RMS norm over each
+head's value channels and the output gate ``swish(g_proj h)`` (fused or not), ``o_proj``.
+
+hidden:  α_h[t, s] = K^−½ Σ_k q_t,k k_s,k exp(Γ_t,k − Γ_s,k)  (s ≤ t; Γ the cumulative gk)  over v (after its conv).
+unified: H_c = diag(ν_c · swish(g_c)) · α_h · diag(σ(pre_c) · m) · M_c  over v before its conv (without a conv:
+         diag(ν_c · swish(g_c)) · α_h · diag(m)).
+q, k and the decays come from the same tokens but, as B and C of the SSMs, enter α (detached), not the attribution.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.gated_linear import gated_linear_chunked
+from ..operators import GatedLinearCore, masked_tokens
+from .common import run
+from .fla_heads import head_operator, short_conv
+
+MIXER_CLASSES = ("GatedLinearAttention",)
+INNER_MIXERS = {"GatedLinearAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
+LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's GLA has none yet (its "
+                   "feature maps and gated norms need their own)")
+
+
+def _projected(mixer, h, name, conv_name, dtype=None):
+    """(before the conv, the conv's pre-activation or None, after the conv) of one projection."""
+    x = run(getattr(mixer, name), h)
+    if not mixer.use_short_conv:
+        return x, None, x
+    pre, out = short_conv(getattr(mixer, conv_name), x, dtype)
+    return x, pre, out
+
+
+def _gate_function(mixer):
+    """The output gate's activation (fla's fused norm uses swish), float64."""
+    if mixer.fuse_norm_and_gate:
+        return F.silu
+    name = getattr(mixer.gate_fn, "__name__", "")
+    if mixer.gate_fn in (F.silu,) or name in ("swish", "silu", "SwishFunction"):
+        return F.silu
+    if name in ("sigmoid",) or mixer.gate_fn is torch.sigmoid:
+        return torch.sigmoid
+    raise NotImplementedError(f"mamba_captum: GLA's output gate {mixer.gate_fn!r} is not a known activation.")
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
+    """
+    mixer = call.located.module
+    if mixer.use_short_conv and mixer.v_conv1d.bias is not None and formulation == "unified":
+        raise NotImplementedError("mamba_captum: the unified operator of a GLA layer whose value conv has a bias is "
+                                  "not linear in the values; use formulation='hidden'.")
+    h = masked_tokens(call.hidden_states, call.attention_mask)
+    batch, length, _ = h.shape
+    heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
+    if call.options.get("cu_seqlens") is not None:
+        raise NotImplementedError("mamba_captum: a GLA layer called on packed sequences (cu_seqlens); pass a padded "
+                                  "batch with attention_mask instead.")
+    _, _, q = _projected(mixer, h, "q_proj", "q_conv1d")
+    _, _, k = _projected(mixer, h, "k_proj", "k_conv1d")
+    value_pre, conv_pre, v = _projected(mixer, h, "v_proj", "v_conv1d")
+    if call.attention_mask is not None:  # fla drops pads; a conv bias would give them keys and values: zero them
+        keep = call.attention_mask.to(k.dtype)[:, :, None]
+        k, v = k * keep, v * keep
+    gk = F.logsigmoid(run(mixer.gk_proj, h).double()) / mixer.gate_logit_normalizer
+    if mixer.clamp_min is not None:
+        gk = torch.clamp_min(gk, mixer.clamp_min)
+    groups = mixer.num_kv_groups
+    split = lambda t, d: t.reshape(batch, length, -1, d)  # noqa: E731
+    q = split(q, key_dim)
+    k, gk = (split(t, key_dim).repeat_interleave(groups, dim=2) for t in (k, gk))
+    v = split(v, value_dim).repeat_interleave(groups, dim=2)
+    if groups > 1 and formulation == "unified" and mixer.use_short_conv:
+        raise NotImplementedError("mamba_captum: the unified operator of a GLA layer with num_kv_heads < num_heads and "
+                                  "a value conv; use formulation='hidden'.")
+    if mixer.feature_map_fn is not None:
+        q, k = mixer.feature_map_fn(q), mixer.feature_map_fn(k)
+    scale = key_dim ** -0.5
+    with torch.no_grad():
+        core = GatedLinearCore(q.detach().to(work_dtype), k.detach().to(work_dtype), gk.detach(), scale)
+    values = v.to(work_dtype)
+    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), gk, scale=scale)
+    if mixer.use_output_gate:
+        gate = _gate_function(mixer)(run(mixer.g_proj, h).double()).reshape(batch, length, heads, value_dim)
+        norm = mixer.g_norm_swish_gate if mixer.fuse_norm_and_gate else mixer.g_norm
+    else:
+        gate, norm = None, mixer.g_norm
+    taps = mixer.v_conv1d.weight[:, 0, :] if mixer.use_short_conv else None
+    return head_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
+                         values=values, output=output, gate=gate, norm=norm, out_proj=mixer.o_proj,
+                         value_pre=value_pre if mixer.use_short_conv else None, conv_pre=conv_pre, taps=taps)

@@ -1,0 +1,96 @@
+"""What the adapters of flash-linear-attention's linear layers share: the projections' short convolutions as plain
+torch, fla's norms' per-token scale, and the hidden / unified operator of a layer whose core mixes values per head
+(:class:`mamba_captum.operators.HeadOperator`).
+
+fla's layers unpad a padded batch into packed sequences; a zeroed pad contributes nothing to a state that starts at
+zero, so the rebuild zeroes pads instead (``masked_tokens``) and zeroes the pads' outputs, which fla repads with
+zeros.
+
+unified: H_c = diag(ν_c · act(z_c)) · α_h · diag(σ(pre_c) · m) · M_c   (with a SiLU short conv M on the values; without
+         one, the column weight is the mask alone), over the values before the conv.
+hidden:  α_h over the values as the core sees them (after the conv).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..operators import HeadOperator, gate_norm_rows
+from .common import linear_readout, run
+
+
+def short_conv(conv, x: torch.Tensor, dtype: torch.dtype | None = None):
+    """(pre-activation, output) of fla's ``ShortConvolution`` (a depthwise causal ``nn.Conv1d``, SiLU or no
+    activation) on x (B, L, C), computed by ``F.conv1d`` in ``dtype`` (default the conv's)."""
+    dtype = conv.weight.dtype if dtype is None else dtype
+    length = x.shape[1]
+    pre = F.conv1d(x.transpose(1, 2).to(dtype), conv.weight.to(dtype),
+                   None if conv.bias is None else conv.bias.to(dtype), padding=conv.weight.shape[-1] - 1,
+                   groups=x.shape[-1])[..., :length].transpose(1, 2)
+    if conv.activation is None:
+        return pre, pre
+    if conv.activation not in ("silu", "swish"):
+        raise NotImplementedError(f"mamba_captum: fla's ShortConvolution with activation {conv.activation!r}.")
+    return pre, F.silu(pre)
+
+
+def rms_scale(norm, output: torch.Tensor) -> torch.Tensor:
+    """ν (B, L, H, P): an fla RMSNorm's (or gated RMSNorm's) per-token scale over each head's channels, weight / rms.
+    A LayerNorm (a mean subtracted, a bias added) is not a scale: refused."""
+    if getattr(norm, "bias", None) is not None or type(norm).__name__.startswith(("LayerNorm", "FusedLayerNorm")):
+        raise NotImplementedError(f"mamba_captum: the output norm {type(norm).__name__} is not an RMS scale.")
+    inv = torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + norm.eps)
+    weight = getattr(norm, "weight", None)
+    return inv if weight is None else weight.to(output.dtype) * inv
+
+
+def head_operator(call, formulation, components, work_dtype, *, core, heads: int, head_dim: int, values, output,
+                  gate, norm, out_proj, value_pre=None, conv_pre=None, taps=None):
+    """The hidden or unified :class:`HeadOperator` of a layer whose output is ``out_proj(ν(o) ⊙ gate ⊙ o)`` with
+    ``o = α v`` per head.
+
+    Args:
+        core: the core α (a ``_Core`` of :mod:`mamba_captum.operators.heads`).
+        values: (B, L, H, P) what the core mixes (after the conv). output: (B, L, H, P) ``o``, float64.
+        gate: (B, L, H, P) the output gate act(z), or None. norm: the RMS norm over each head's channels (its scale
+            ν from :func:`rms_scale`), or None.
+        value_pre, conv_pre, taps: the values before a SiLU short conv, its pre-activation (B, L, H·P) and the taps
+            (H·P, K); None without a conv.
+    Returns:
+        (operator, the mixer's rebuilt output (B, L, D), pads zeroed).
+    """
+    hidden_states, mask = call.hidden_states, call.attention_mask
+    batch, length = hidden_states.shape[:2]
+    per_head = lambda t: t.reshape(batch, length, heads, head_dim)  # noqa: E731
+    w = lambda t: None if t is None else t.to(work_dtype)  # noqa: E731
+    gate = None if gate is None else gate.double()
+
+    def scaled(out):  # ν(out) ⊙ gate ⊙ out, float64
+        factor = out if gate is None else gate * out
+        return factor if norm is None else rms_scale(norm, out) * factor
+
+    inner = scaled(output.double())
+    rebuilt = run(out_proj, inner.reshape(batch, length, -1).to(hidden_states.dtype))
+    if mask is not None:
+        rebuilt = rebuilt * mask.to(rebuilt.dtype)[:, :, None]
+    readout_proj = linear_readout(out_proj)
+    operator_mask = None if mask is None else w(mask)
+    common = dict(mask=operator_mask, heads=heads, head_dim=head_dim)
+    if formulation == "hidden":  # the core's output; the norm and the gate come after it
+        return HeadOperator(core, **common, values=w(values), output=w(output),
+                            readout=lambda out: readout_proj(scaled(out).reshape(batch, length, -1))), rebuilt
+    nu = None if norm is None else rms_scale(norm, output.double())
+    row = gate_norm_rows(components, w(gate), w(nu))
+    col = None
+    if conv_pre is not None and "act" in components:
+        col = per_head(torch.sigmoid(w(conv_pre)))
+    if operator_mask is not None:
+        mask_col = operator_mask[:, :, None, None].expand(batch, length, heads, head_dim)
+        col = mask_col if col is None else col * mask_col
+    conv = w(taps).reshape(heads, head_dim, -1) if taps is not None and "conv" in components else None
+    if row is None and col is None and conv is None:
+        col = torch.ones(batch, length, heads, head_dim, dtype=work_dtype, device=hidden_states.device)
+    operator = HeadOperator(core, **common, row_weight=row, col_weight=col, conv_weight=conv, s6="s6" in components,
+                            values=per_head(w(value_pre)) if value_pre is not None else w(values),
+                            output=w(inner), readout=lambda out: readout_proj(out.reshape(batch, length, -1)))
+    return operator, rebuilt

@@ -1,0 +1,82 @@
+"""flash-linear-attention's LightNet: ``LightNetAttention`` (model type ``lightnet``).
+
+Forward (fla 0.6.0, ``fla/layers/lightnet.py``): q, k, v = the projections of h (each through a short conv without
+activation when ``use_short_conv``); q ← silu(q); per head (K = ``expand_ratio`` key channels, P value channels) the
+additive gate of the key logits k (``fla.ops.gsa.gate.fused_additive_gate``): z_t = log Σ_{s≤t} e^{k_s} per key
+channel, k̃_t = e^{k_t − z_t}, g_t = z_{t−1} − z_t (0 at a sequence's first token); ``o = gla(q, k̃, v, g)``:
+S_t = diag(e^{g_t}) S_{t−1} + k̃_t v_tᵀ, o_t = K^−½ S_tᵀ q_t — so α[t, s] = K^−½ Σ_k q_t,k e^{k_s,k − z_t,k}, a
+softmax-like normalisation over the keys that does not touch v; then ``o_proj(rms_norm(o) · swish(g_proj h))`` with
+ONE gated RMS norm over all H·P channels of a token (fla's ``rms_norm_swish_gate_linear``, its default eps 1e-6: the
+layer does not pass ``g_norm.eps``), ``g_proj`` a low-rank pair of linears.
+
+hidden:  α_h[t, s] = K^−½ Σ_k q_t,k k̃_s,k e^{Γ_t,k − Γ_s,k}  (s ≤ t; Γ the cumulative g)  over v (after its conv).
+unified: H_c = diag(ν_c · swish(g_c)) · α_h · diag(m) · M_c  over v before its conv (M_c the conv's band; without
+         a conv diag(ν_c · swish(g_c)) · α_h · diag(m)); ν_c = weight_c / rms of the token's whole o, from the real
+         activations.
+q, k̃ and the decays come from the same tokens but, as B and C of the SSMs, enter α (detached), not the attribution.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.gated_linear import gated_linear_chunked
+from ..operators import GatedLinearCore, masked_tokens
+from .common import run
+from .fla_hgrn2 import projected, refuse_conv_bias, refuse_packed, width_norm_operator
+
+MIXER_CLASSES = ("LightNetAttention",)
+INNER_MIXERS = {"LightNetAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
+LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's LightNet has none yet (its "
+                   "additive key gate and layer-wide gated norm need their own)")
+GATED_NORM_LINEAR_EPS = 1e-6  # fla.modules.norm.fused_norm_gate.rms_norm_swish_gate_linear's default
+
+
+def additive_gate(logits: torch.Tensor, mask: torch.Tensor | None):
+    """(k̃, g) of fla's additive gate on logits (B, L, H, K), float64, each row one sequence: its pads take no part
+    (k̃ = 0, g = 0 there), so a left-padded row starts at its first real token as fla's unpadded run does."""
+    logits = logits.double()
+    if mask is not None:
+        logits = logits.masked_fill(~mask.bool()[:, :, None, None], float("-inf"))
+    z = torch.logcumsumexp(logits, dim=1)
+    previous = torch.cat([torch.full_like(z[:, :1], float("-inf")), z[:, :-1]], dim=1)
+    fresh = torch.isneginf(previous)
+    gate = torch.where(fresh, torch.zeros_like(z), previous.masked_fill(fresh, 0.0) - z)
+    keys = (logits - z.masked_fill(torch.isneginf(z), 0.0)).exp()  # e^{−∞} = 0 at the pads
+    return keys, gate
+
+
+def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
+    """Rebuild the layer's operator from its recorded input.
+
+    Returns:
+        (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
+    """
+    mixer = call.located.module
+    refuse_packed(call, "LightNet")
+    refuse_conv_bias(mixer, "v_conv1d", formulation, "LightNet")
+    if getattr(mixer.g_norm, "bias", None) is not None:
+        raise NotImplementedError("mamba_captum: LightNet's output norm with a bias is not an RMS scale.")
+    mask = call.attention_mask
+    h = masked_tokens(call.hidden_states, mask)
+    batch, length, _ = h.shape
+    heads, key_dim, value_dim = mixer.num_heads, mixer.head_f_dim, mixer.head_i_dim
+    split = lambda t, d: t.reshape(batch, length, heads, d)  # noqa: E731
+    q = split(F.silu(projected(mixer, h, "q_proj", "q_conv1d")[2].double()), key_dim)
+    keys, log_decay = additive_gate(split(projected(mixer, h, "k_proj", "k_conv1d")[2], key_dim), mask)
+    value_pre, _, v = projected(mixer, h, "v_proj", "v_conv1d")
+    if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them values)
+        v = v * mask[:, :, None].to(v.dtype)
+    v = split(v, value_dim)
+    scale = key_dim ** -0.5
+    with torch.no_grad():
+        core = GatedLinearCore(q.detach().to(work_dtype), keys.detach().to(work_dtype), log_decay.detach(), scale)
+    values = v.to(work_dtype)
+    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), log_decay, scale=scale)
+    low_rank, up = mixer.g_proj  # nn.Sequential of two linears, run one by one (no hooks)
+    gate = F.silu(run(up, run(low_rank, h)).double()).reshape(batch, length, heads, value_dim)
+    taps = mixer.v_conv1d.weight[:, 0, :] if mixer.use_short_conv else None
+    return width_norm_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
+                               values=values, output=output, gate=gate, norm_weight=mixer.g_norm.weight,
+                               eps=GATED_NORM_LINEAR_EPS, out_proj=mixer.o_proj,
+                               value_pre=value_pre if mixer.use_short_conv else None, taps=taps)

@@ -1,0 +1,249 @@
+"""Tiny random flash-linear-attention models (fixed seed), for the fla tests: their configs, and how each layer's
+values (the unified operator's input) and its core op's call are read by the tests' own hooks.
+
+``import_fla_models`` (mamba_captum.fla_cpu) imports ``fla.models`` without letting it take over transformers' own
+``mamba`` / ``mamba2`` / ``bitnet`` model types, so the other test files of the same worker are unaffected.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from mamba_captum.fla_cpu import import_fla_models
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # fla: "Triton is not supported on current platform, roll back to CPU."
+    fla_models = import_fla_models()
+
+VOCAB = 64
+
+
+def _common(**kw):
+    return dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, fuse_cross_entropy=False, **kw)
+
+
+def gla_impulse(kwargs):
+    """α (B, H, T, T) of fla's GLA op from its recorded inputs: fla's naive op run on one-hot values (the output for
+    v = e_s is column s), zero state."""
+    from fla.ops.gla.naive import naive_recurrent_gla
+    q, k = kwargs["q"].double(), kwargs["k"].double()
+    batch, length, heads, _ = q.shape
+    eye = torch.eye(length, dtype=torch.float64)[None, :, None, :].expand(batch, length, heads, length)
+    gk = kwargs["gk"] if "gk" in kwargs else kwargs["g"]
+    out, _ = naive_recurrent_gla(q, k, eye.contiguous(), gk.double())
+    return out.permute(0, 2, 1, 3)
+
+
+# name -> how the tests build and read one tiny fla model:
+#   config: (config class name in fla.models, its tiny kwargs);
+#   values: the mixer's submodule whose output is the unified operator's input x (B, L, H·P) (its output, as fla
+#           runs it: the real tokens packed when a mask is given);
+#   ops: the names, in the layer's module, of the core op functions it may call (recorded by the hidden test);
+#   impulse: recorded keyword arguments of one op call -> α (B, H, T, T) through fla's own naive op;
+#   value_key: the name of the values among the op's keyword arguments.
+FLA_SPECS = {
+    "gla": dict(config=("GLAConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)),
+                values="v_proj", ops=("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"), impulse=gla_impulse,
+                value_key="v"),
+    "gla_conv": dict(config=("GLAConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0, use_short_conv=True,
+                                                  conv_size=4)),
+                     values="v_proj", ops=("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"),
+                     impulse=gla_impulse, value_key="v"),
+}
+
+
+# -- RetNet (the other layers of the GLA family, whose o_proj runs inside a fused norm or after fla repads the batch,
+# are tested in tests/test_fla_gla_family.py) ------------------------------------------------------------------------
+def _one_hot_values(batch, length, heads):
+    """(B, T, H, T): value s of every head is the unit vector e_s (the op's output column s is α[:, s])."""
+    eye = torch.eye(length, dtype=torch.float64)[None, :, None, :]
+    return eye.expand(batch, length, heads, length).contiguous()
+
+
+def retention_impulse(kwargs):
+    """α (B, H, T, T) of fla's retention op: fla's ``naive_retention`` (its (B, H, T, ·) layout) on one-hot values."""
+    from fla.ops.retention.naive import naive_retention
+    q, k = kwargs["q"].double().transpose(1, 2), kwargs["k"].double().transpose(1, 2)
+    batch, heads, length, _ = q.shape
+    return naive_retention(q, k, _one_hot_values(batch, length, heads).transpose(1, 2)).double()
+
+
+_RETENTION_OPS = ("chunk_retention", "fused_recurrent_retention", "parallel_retention", "fused_chunk_retention")
+FLA_SPECS.update({
+    "retnet": dict(config=("RetNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)), values="v_proj",
+                   ops=_RETENTION_OPS, impulse=retention_impulse, value_key="v"),
+    # the norm and the gate unfused (RetNetConfig passes no conv; shared key / value heads: test_fla_gla_family)
+    "retnet_unfused": dict(config=("RetNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0, fuse_norm=False)),
+                           values="v_proj", ops=_RETENTION_OPS, impulse=retention_impulse, value_key="v"),
+})
+
+
+# -- the delta-rule family: DeltaNet, gated DeltaNet, KDA, Comba, gated DeltaProduct (tests/test_fla_delta_family.py) --
+def _fla_naive_float64(function, *args, **kwargs):
+    """``function`` (one of fla's torch references, which cast to float32) run in float64."""
+    from test_kernel_delta_rule_states import Float64
+    with Float64():
+        return function(*args, **kwargs)
+
+
+def _kernel_l2(x):
+    """fla's in-kernel L2 norm: x / sqrt(Σ x² + 1e-6)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6)
+
+
+def _delta_inputs(kwargs, *names):
+    """The recorded tensors ``names`` in float64, q / k (/ p) L2-normalised where the op was asked to, β through
+    its in-kernel sigmoid (× 2 with allow_neg_eigval) where asked, key heads repeated for the value heads."""
+    tensors = {name: None if kwargs.get(name) is None else kwargs[name].double() for name in names}
+    if kwargs.get("use_qk_l2norm_in_kernel"):
+        for name in ("q", "k", "p"):
+            if tensors.get(name) is not None:
+                tensors[name] = _kernel_l2(tensors[name])
+    if kwargs.get("use_beta_sigmoid_in_kernel"):
+        tensors["beta"] = torch.sigmoid(tensors["beta"]) * (2.0 if kwargs.get("allow_neg_eigval") else 1.0)
+    value_heads = kwargs["v"].shape[2]
+    for name in ("q", "k", "p"):
+        if tensors.get(name) is not None:
+            tensors[name] = tensors[name].repeat_interleave(value_heads // tensors[name].shape[2], dim=2)
+    return tensors
+
+
+def delta_rule_impulse(kwargs):
+    """α (B, HV, T, T) of fla's (gated) delta-rule ops (DeltaNet, gated DeltaNet, a DeltaProduct of one step) from
+    their recorded inputs: the in-kernel norms and gates applied as fla's own ``naive_gdn_gate`` / formulas, then
+    fla's ``naive_recurrent_gated_delta_rule`` (``delta_rule_recurrence`` without a decay) on one-hot values."""
+    from fla.ops.delta_rule.naive import delta_rule_recurrence
+    from fla.ops.gated_delta_rule.gate import naive_gdn_gate
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    t = _delta_inputs(kwargs, "q", "k", "beta", "g")
+    q, k, beta, g = t["q"], t["k"], t["beta"], t["g"]
+    batch, length, heads, _ = q.shape
+    if beta is None:
+        beta = torch.ones(batch, length, heads, dtype=torch.float64)
+    values = _one_hot_values(batch, length, heads)
+    if g is None:
+        head_first = lambda x: x.transpose(1, 2)  # noqa: E731
+        out, _ = _fla_naive_float64(delta_rule_recurrence, head_first(q), head_first(k), head_first(values),
+                                    head_first(beta))
+        return out.double()
+    if kwargs.get("use_gate_in_kernel"):
+        g = _fla_naive_float64(naive_gdn_gate, g, kwargs["A_log"].double(),
+                               None if kwargs.get("dt_bias") is None else kwargs["dt_bias"].double(),
+                               output_dtype=torch.float64)
+    out, _ = _fla_naive_float64(naive_recurrent_gated_delta_rule, q, k, values, beta, g, scale=kwargs.get("scale"))
+    return out.double().permute(0, 2, 1, 3)
+
+
+def kda_impulse(kwargs):
+    """α (B, HV, T, T) of fla's KDA ops: fla's ``naive_kda_gate`` / ``naive_kda_lowerbound_gate`` for the in-kernel
+    gate, then ``naive_recurrent_kda`` on one-hot values."""
+    from fla.ops.kda.gate import naive_kda_gate, naive_kda_lowerbound_gate
+    from fla.ops.kda.naive import naive_recurrent_kda
+    t = _delta_inputs(kwargs, "q", "k", "beta", "g")
+    g = t["g"]
+    if kwargs.get("use_gate_in_kernel"):
+        A_log, dt_bias = kwargs["A_log"].double(), kwargs["dt_bias"].double()
+        if kwargs.get("lower_bound") is not None:
+            g = _fla_naive_float64(naive_kda_lowerbound_gate, g, A_log, dt_bias, kwargs["lower_bound"],
+                                   output_dtype=torch.float64)
+        else:
+            g = _fla_naive_float64(naive_kda_gate, g, A_log, dt_bias, output_dtype=torch.float64)
+    batch, length, heads, _ = t["q"].shape
+    out, _ = _fla_naive_float64(naive_recurrent_kda, t["q"], t["k"], _one_hot_values(batch, length, heads), g,
+                                t["beta"], scale=kwargs.get("scale"))
+    return out.double().permute(0, 2, 1, 3)
+
+
+def comba_impulse(kwargs):
+    """α (B, HV, T, T) of fla's Comba ops: ``naive_chunk_comba`` on one-hot values (fla's ``naive_recurrent_comba``
+    decays before the read, unlike fla's kernels)."""
+    from fla.ops.comba.naive import naive_chunk_comba
+    t = _delta_inputs(kwargs, "q", "k", "p", "beta", "g")
+    batch, length, heads, _ = t["q"].shape
+    out, _ = _fla_naive_float64(naive_chunk_comba, t["q"], t["k"], _one_hot_values(batch, length, heads), t["p"],
+                                t["g"], t["beta"], scale=kwargs.get("scale"))
+    return out.double().permute(0, 2, 1, 3)
+
+
+def delta_product_impulse(kwargs):
+    """α (B, HV, T, T) of fla's gated DeltaProduct of one step (its layer calls ``chunk_gated_delta_product``, or
+    without gradients ``fused_recurrent_gated_delta_rule``): fla's ``naive_recurrent_gated_delta_product``."""
+    if "num_householder" not in kwargs:
+        return delta_rule_impulse(kwargs)
+    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+    assert kwargs["num_householder"] == 1, "the generic tests hold for one step per token"
+    t = _delta_inputs(kwargs, "q", "k", "beta", "g")
+    batch, length, heads, dim = t["q"].shape
+    scale = dim ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]
+    out, _ = _fla_naive_float64(naive_recurrent_gated_delta_product, t["q"], t["k"],
+                                _one_hot_values(batch, length, heads), t["g"], t["beta"], scale)
+    return out.double().permute(0, 2, 1, 3)
+
+
+_DELTA_OPS = ("fused_recurrent_delta_rule", "chunk_delta_rule")
+_GATED_DELTA_OPS = ("fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule")
+_KDA_OPS = ("fused_recurrent_kda", "chunk_kda")
+FLA_SPECS.update({
+    "delta_net": dict(config=("DeltaNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)), values="v_proj",
+                      ops=_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
+    # an output gate, no convs, elu+1 features with sum normalisation, β in (0, 2)
+    "delta_net_variant": dict(config=("DeltaNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0,
+                                                                use_gate=True, use_short_conv=False,
+                                                                qk_activation="elu", qk_norm="sum",
+                                                                allow_neg_eigval=True)),
+                              values="v_proj", ops=_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
+    # two value heads per key head (GVA)
+    "gated_deltanet": dict(config=("GatedDeltaNetConfig", _common(num_heads=2, num_v_heads=4, head_dim=8,
+                                                                  expand_v=1.0)),
+                           values="v_proj", ops=_GATED_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
+    "kda": dict(config=("KDAConfig", _common(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
+                values="v_proj", ops=_KDA_OPS, impulse=kda_impulse, value_key="v"),
+    # the "safe gate": lower_bound · σ(exp(A_log) (f + dt_bias))
+    "kda_safe_gate": dict(config=("KDAConfig", _common(num_heads=2, head_dim=8, expand_v=1.0, safe_gate=True,
+                                                       lower_bound=-5.0)),
+                          values="v_proj", ops=_KDA_OPS, impulse=kda_impulse, value_key="v"),
+    "comba": dict(config=("CombaConfig", _common(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
+                  values="v_proj", ops=("fused_recurrent_comba", "chunk_comba"), impulse=comba_impulse,
+                  value_key="v"),
+    # one delta step per token: the generic tests compare channel for channel (n > 1: tests/test_fla_delta_family.py)
+    "gated_deltaproduct": dict(config=("GatedDeltaProductConfig", _common(num_heads=2, head_dim=8, expand_v=1.0,
+                                                                          use_forget_gate=True)),
+                               values="v_proj", ops=("chunk_gated_delta_product", "fused_recurrent_gated_delta_rule"),
+                               impulse=delta_product_impulse, value_key="v"),
+})
+
+
+def make_fla_model(name: str, dtype=torch.float32, seed: int = 0):
+    """The tiny model ``name`` of :data:`FLA_SPECS` (eval mode), its projections scaled up so that every factor of
+    the operator matters (fla's init gives tiny gates)."""
+    config_class, kwargs = FLA_SPECS[name]["config"]
+    config = getattr(fla_models, config_class)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__module__.startswith("fla.layers."):
+                for parameter_name, parameter in module.named_parameters():
+                    if parameter.dim() == 2 and parameter_name.endswith("weight"):
+                        parameter.normal_(0.0, 0.4, generator=generator)
+    return model
+
+
+def fla_mixers(model):
+    """The token-mixer layers of an fla model, in order."""
+    import fla.layers
+    return [m for m in model.modules() if type(m).__name__ in fla.layers.__all__
+            and type(m).__module__.startswith("fla.layers.")]
+
+
+def padded_batch(length=12, pads=3, seed=0, left=True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, length), generator=g)
+    mask = torch.ones_like(ids)
+    pad = slice(0, pads) if left else slice(length - pads, None)
+    ids[0, pad], mask[0, pad] = 0, 0
+    return ids, mask

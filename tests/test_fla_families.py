@@ -1,0 +1,150 @@
+"""flash-linear-attention's linear layers (mamba_captum.families.fla_*), run on CPU through fla_on_cpu(): the
+unified operator reproduces the layer (y = H x against the test's own hooks on the value projection and o_proj),
+the hidden maps equal an impulse reference through fla's own naive op (one-hot values through the op's recorded
+inputs), batches equal single examples, left padding equals no padding, and nothing is left on the model."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from conftest import relative_error
+from fla_models import FLA_SPECS, fla_mixers, make_fla_model, padded_batch
+from test_engine import assert_untouched, model_state
+
+import mamba_captum as mc
+FLA = list(FLA_SPECS)
+
+
+def unified_records(name, model, ids, mask):
+    """(x: the values before any conv (B, L, H·P), o_proj's input (B, L, H·P)) of each mixer, by the test's hooks."""
+    records, handles = {}, []
+    for mixer in fla_mixers(model):
+        handles.append(mixer.get_submodule(FLA_SPECS[name]["values"]).register_forward_hook(
+            lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(x=out.detach())))
+        handles.append(mixer.o_proj.register_forward_pre_hook(
+            lambda mod, args, mixer=mixer: records.setdefault(mixer, {}).update(out_in=args[0].detach())))
+    try:
+        with mc.fla_on_cpu(), torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records
+
+
+def head_operators(model, ids, mask, formulation):
+    operators, _, _ = mc.build_operators(model, ids, mask, formulation=formulation)
+    return list(operators.values())
+
+
+@pytest.mark.parametrize("name", FLA)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_unified_identity_out_proj_input_equals_H_x(name, dtype):
+    model = make_fla_model(name, dtype)
+    ids, mask = padded_batch(length=12)
+    before = model_state(model)
+    operators = head_operators(model, ids, mask, "unified")
+    records = unified_records(name, model, ids, mask)
+    mixers = fla_mixers(model)
+    assert len(operators) == len(mixers) > 0
+    for mixer, op in zip(mixers, operators):
+        real_rows = mask.bool()
+        # fla unpads the batch: the hooks see the real tokens packed as (1, T_real, ·)
+        x = torch.zeros(*ids.shape, records[mixer]["x"].shape[-1], dtype=torch.float64)
+        x[real_rows] = records[mixer]["x"].double().reshape(-1, x.shape[-1])
+        expected = torch.zeros_like(x)
+        expected[real_rows] = records[mixer]["out_in"].double().reshape(-1, x.shape[-1])
+        H = op.maps(reduce=None).double()  # (B, C, L, L)
+        got = torch.einsum("bcis,bsc->bic", H, x)
+        assert relative_error(got, expected) <= (1e-5 if dtype == torch.float64 else 3e-5), name
+        assert expected.abs().max() > 1e-3
+    assert_untouched(model, before)
+
+
+class OpRecorder:
+    """Record the core op calls of the fla layers' modules (the swapped functions the layers call)."""
+
+    def __init__(self, name, model):
+        self.NAMES = FLA_SPECS[name]["ops"]
+        self.modules = {importlib_module(type(m).__module__) for m in fla_mixers(model)}
+        self.calls, self.saved = [], []
+
+    def __enter__(self):
+        for module in self.modules:
+            for name in self.NAMES:
+                if hasattr(module, name):
+                    original = getattr(module, name)
+
+                    def recording(*args, _original=original, _name=name, **kwargs):
+                        out = _original(*args, **kwargs)
+                        named = inspect.signature(_original).bind(*args, **kwargs).arguments  # positional too
+                        self.calls.append((_name, args, {**named.pop("kwargs", {}), **named}, out[0]))
+                        return out
+
+                    self.saved.append((module, name, original))
+                    setattr(module, name, recording)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self.saved):
+            setattr(module, name, original)
+
+
+def importlib_module(name):
+    import importlib
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("name", FLA)
+def test_hidden_maps_equal_the_naive_op_impulse_response(name):
+    model = make_fla_model(name, torch.float64)
+    ids = padded_batch(length=10)[0]
+    spec = FLA_SPECS[name]
+    with mc.fla_on_cpu(), OpRecorder(name, model) as recorder, torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    operators = head_operators(model, ids, None, "hidden")
+    assert len(recorder.calls) == len(operators) > 0
+    for op, (op_name, args, kwargs, out) in zip(operators, recorder.calls):
+        alpha = op.maps(reduce=None)  # (B, H, L, L): one map per head
+        reference = spec["impulse"](kwargs)
+        assert relative_error(alpha, reference) <= 1e-6, (name, op_name)
+        got = torch.einsum("bhts,bshp->bthp", alpha, kwargs[spec["value_key"]].double())
+        assert relative_error(got, out.double()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", FLA)
+def test_batch_equals_single_examples_and_left_padding_equals_none(name):
+    model = make_fla_model(name, torch.float64)
+    ids, mask = padded_batch(length=12)
+    batched = mc.implicit_attention(model, ids, attention_mask=mask)
+    for b in range(2):
+        real = mask[b].bool()
+        single = mc.implicit_attention(model, ids[b:b + 1, real])
+        for key in batched:
+            torch.testing.assert_close(batched[key][b][real][:, real].double(), single[key][0].double(),
+                                       rtol=1e-9, atol=1e-12)
+
+
+def test_the_library_enters_fla_on_cpu_by_itself():
+    """In a thread of its own (outside the test session's fla_on_cpu(), tests/conftest.py): the model's own forward
+    reaches fla's Triton kernels and fails on a CPU; the library's calls run."""
+    import threading
+
+    model = make_fla_model("gla", torch.float64)
+    ids = padded_batch(length=10)[0]
+    outcome = {}
+
+    def in_a_fresh_thread():
+        try:
+            model(input_ids=ids)
+            outcome["plain forward"] = "ran"
+        except Exception as error:  # noqa: BLE001 (Triton without a GPU: its own error)
+            outcome["plain forward"] = type(error).__name__
+        outcome["maps"] = mc.implicit_attention(model, ids)
+
+    thread = threading.Thread(target=in_a_fresh_thread)
+    thread.start()
+    thread.join()
+    assert outcome["plain forward"] != "ran"
+    assert set(outcome["maps"]) == {0, 1} and outcome["maps"][0].shape == (2, 10, 10)
