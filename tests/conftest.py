@@ -42,10 +42,11 @@ def _transformers_layers_off_fla_kernels():
     those HF models (their references) run inside ``mc.fla_on_cpu()``, which gives transformers' own torch bodies back:
     what they computed before fla was installed. The library enters it by itself around its own forwards;
     tests/test_fla_families.py checks that in a thread of its own, outside this context."""
-    from mamba_captum.fla_cpu import fla_available, fla_on_cpu
+    from mamba_captum.fla_cpu import fla_available, fla_on_cpu, import_fla_models
 
     if not fla_available():
         yield
         return
+    import_fla_models()  # `import fla` registers fla's mamba / mamba2 / bitnet over transformers' own: undone
     with fla_on_cpu():
         yield

@@ -6,11 +6,14 @@ values (the unified operator's input) and its core op's call are read by the tes
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import warnings
 
 import torch
 from transformers import AutoModelForCausalLM
 
+import mamba_captum as mc
 from mamba_captum.fla_cpu import import_fla_models
 
 with warnings.catch_warnings():
@@ -20,7 +23,8 @@ with warnings.catch_warnings():
 VOCAB = 64
 
 
-def _common(**kw):
+def common_config(**kw):
+    """The keyword arguments of a tiny fla config (2 layers, width 32, vocabulary :data:`VOCAB`) plus ``kw``."""
     return dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, pad_token_id=0, bos_token_id=1,
                 eos_token_id=2, fuse_cross_entropy=False, **kw)
 
@@ -45,11 +49,11 @@ def gla_impulse(kwargs):
 #   impulse: recorded keyword arguments of one op call -> α (B, H, T, T) through fla's own naive op;
 #   value_key: the name of the values among the op's keyword arguments.
 FLA_SPECS = {
-    "gla": dict(config=("GLAConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)),
+    "gla": dict(config=("GLAConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0)),
                 values="v_proj", ops=("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"), impulse=gla_impulse,
                 value_key="v"),
-    "gla_conv": dict(config=("GLAConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0, use_short_conv=True,
-                                                  conv_size=4)),
+    "gla_conv": dict(config=("GLAConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0, use_short_conv=True,
+                                                        conv_size=4)),
                      values="v_proj", ops=("chunk_gla", "fused_recurrent_gla", "fused_chunk_gla"),
                      impulse=gla_impulse, value_key="v"),
 }
@@ -57,7 +61,7 @@ FLA_SPECS = {
 
 # -- RetNet (the other layers of the GLA family, whose o_proj runs inside a fused norm or after fla repads the batch,
 # are tested in tests/test_fla_gla_family.py) ------------------------------------------------------------------------
-def _one_hot_values(batch, length, heads):
+def one_hot_values(batch, length, heads):
     """(B, T, H, T): value s of every head is the unit vector e_s (the op's output column s is α[:, s])."""
     eye = torch.eye(length, dtype=torch.float64)[None, :, None, :]
     return eye.expand(batch, length, heads, length).contiguous()
@@ -68,15 +72,16 @@ def retention_impulse(kwargs):
     from fla.ops.retention.naive import naive_retention
     q, k = kwargs["q"].double().transpose(1, 2), kwargs["k"].double().transpose(1, 2)
     batch, heads, length, _ = q.shape
-    return naive_retention(q, k, _one_hot_values(batch, length, heads).transpose(1, 2)).double()
+    return naive_retention(q, k, one_hot_values(batch, length, heads).transpose(1, 2)).double()
 
 
 _RETENTION_OPS = ("chunk_retention", "fused_recurrent_retention", "parallel_retention", "fused_chunk_retention")
 FLA_SPECS.update({
-    "retnet": dict(config=("RetNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)), values="v_proj",
+    "retnet": dict(config=("RetNetConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0)), values="v_proj",
                    ops=_RETENTION_OPS, impulse=retention_impulse, value_key="v"),
     # the norm and the gate unfused (RetNetConfig passes no conv; shared key / value heads: test_fla_gla_family)
-    "retnet_unfused": dict(config=("RetNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0, fuse_norm=False)),
+    "retnet_unfused": dict(config=("RetNetConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0,
+                                                                 fuse_norm=False)),
                            values="v_proj", ops=_RETENTION_OPS, impulse=retention_impulse, value_key="v"),
 })
 
@@ -123,7 +128,7 @@ def delta_rule_impulse(kwargs):
     batch, length, heads, _ = q.shape
     if beta is None:
         beta = torch.ones(batch, length, heads, dtype=torch.float64)
-    values = _one_hot_values(batch, length, heads)
+    values = one_hot_values(batch, length, heads)
     if g is None:
         head_first = lambda x: x.transpose(1, 2)  # noqa: E731
         out, _ = _fla_naive_float64(delta_rule_recurrence, head_first(q), head_first(k), head_first(values),
@@ -152,7 +157,7 @@ def kda_impulse(kwargs):
         else:
             g = _fla_naive_float64(naive_kda_gate, g, A_log, dt_bias, output_dtype=torch.float64)
     batch, length, heads, _ = t["q"].shape
-    out, _ = _fla_naive_float64(naive_recurrent_kda, t["q"], t["k"], _one_hot_values(batch, length, heads), g,
+    out, _ = _fla_naive_float64(naive_recurrent_kda, t["q"], t["k"], one_hot_values(batch, length, heads), g,
                                 t["beta"], scale=kwargs.get("scale"))
     return out.double().permute(0, 2, 1, 3)
 
@@ -163,7 +168,7 @@ def comba_impulse(kwargs):
     from fla.ops.comba.naive import naive_chunk_comba
     t = _delta_inputs(kwargs, "q", "k", "p", "beta", "g")
     batch, length, heads, _ = t["q"].shape
-    out, _ = _fla_naive_float64(naive_chunk_comba, t["q"], t["k"], _one_hot_values(batch, length, heads), t["p"],
+    out, _ = _fla_naive_float64(naive_chunk_comba, t["q"], t["k"], one_hot_values(batch, length, heads), t["p"],
                                 t["g"], t["beta"], scale=kwargs.get("scale"))
     return out.double().permute(0, 2, 1, 3)
 
@@ -179,7 +184,7 @@ def delta_product_impulse(kwargs):
     batch, length, heads, dim = t["q"].shape
     scale = dim ** -0.5 if kwargs.get("scale") is None else kwargs["scale"]
     out, _ = _fla_naive_float64(naive_recurrent_gated_delta_product, t["q"], t["k"],
-                                _one_hot_values(batch, length, heads), t["g"], t["beta"], scale)
+                                one_hot_values(batch, length, heads), t["g"], t["beta"], scale)
     return out.double().permute(0, 2, 1, 3)
 
 
@@ -187,30 +192,30 @@ _DELTA_OPS = ("fused_recurrent_delta_rule", "chunk_delta_rule")
 _GATED_DELTA_OPS = ("fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule")
 _KDA_OPS = ("fused_recurrent_kda", "chunk_kda")
 FLA_SPECS.update({
-    "delta_net": dict(config=("DeltaNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0)), values="v_proj",
-                      ops=_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
+    "delta_net": dict(config=("DeltaNetConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0)),
+                      values="v_proj", ops=_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
     # an output gate, no convs, elu+1 features with sum normalisation, β in (0, 2)
-    "delta_net_variant": dict(config=("DeltaNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0,
-                                                                use_gate=True, use_short_conv=False,
-                                                                qk_activation="elu", qk_norm="sum",
-                                                                allow_neg_eigval=True)),
+    "delta_net_variant": dict(config=("DeltaNetConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0,
+                                                                      use_gate=True, use_short_conv=False,
+                                                                      qk_activation="elu", qk_norm="sum",
+                                                                      allow_neg_eigval=True)),
                               values="v_proj", ops=_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
     # two value heads per key head (GVA)
-    "gated_deltanet": dict(config=("GatedDeltaNetConfig", _common(num_heads=2, num_v_heads=4, head_dim=8,
-                                                                  expand_v=1.0)),
+    "gated_deltanet": dict(config=("GatedDeltaNetConfig", common_config(num_heads=2, num_v_heads=4, head_dim=8,
+                                                                        expand_v=1.0)),
                            values="v_proj", ops=_GATED_DELTA_OPS, impulse=delta_rule_impulse, value_key="v"),
-    "kda": dict(config=("KDAConfig", _common(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
+    "kda": dict(config=("KDAConfig", common_config(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
                 values="v_proj", ops=_KDA_OPS, impulse=kda_impulse, value_key="v"),
     # the "safe gate": lower_bound · σ(exp(A_log) (f + dt_bias))
-    "kda_safe_gate": dict(config=("KDAConfig", _common(num_heads=2, head_dim=8, expand_v=1.0, safe_gate=True,
-                                                       lower_bound=-5.0)),
+    "kda_safe_gate": dict(config=("KDAConfig", common_config(num_heads=2, head_dim=8, expand_v=1.0, safe_gate=True,
+                                                             lower_bound=-5.0)),
                           values="v_proj", ops=_KDA_OPS, impulse=kda_impulse, value_key="v"),
-    "comba": dict(config=("CombaConfig", _common(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
+    "comba": dict(config=("CombaConfig", common_config(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
                   values="v_proj", ops=("fused_recurrent_comba", "chunk_comba"), impulse=comba_impulse,
                   value_key="v"),
     # one delta step per token: the generic tests compare channel for channel (n > 1: tests/test_fla_delta_family.py)
-    "gated_deltaproduct": dict(config=("GatedDeltaProductConfig", _common(num_heads=2, head_dim=8, expand_v=1.0,
-                                                                          use_forget_gate=True)),
+    "gated_deltaproduct": dict(config=("GatedDeltaProductConfig", common_config(num_heads=2, head_dim=8, expand_v=1.0,
+                                                                                use_forget_gate=True)),
                                values="v_proj", ops=("chunk_gated_delta_product", "fused_recurrent_gated_delta_rule"),
                                impulse=delta_product_impulse, value_key="v"),
 })
@@ -247,3 +252,68 @@ def padded_batch(length=12, pads=3, seed=0, left=True):
     pad = slice(0, pads) if left else slice(length - pads, None)
     ids[0, pad], mask[0, pad] = 0, 0
     return ids, mask
+
+
+def scale_up_mixer_weights(model, seed: int = 0):
+    """Redraw the 2-D weights of the model's mixers from N(0, 0.4²) (generator seeded ``seed``) so that every factor
+    of the operator matters (fla's init gives tiny gates); returns the model."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mixer in fla_mixers(model):
+            for name, parameter in mixer.named_parameters():
+                if parameter.dim() == 2 and name.endswith("weight"):
+                    parameter.normal_(0.0, 0.4, generator=generator)
+    return model
+
+
+def run_hooked(model, ids, mask, handles) -> None:
+    """Run ``model`` on ids (B, L) with attention mask (B, L) or None through ``fla_on_cpu`` without grad, then remove
+    the hooks ``handles`` (which recorded what the test reads), even when the run fails."""
+    try:
+        with mc.fla_on_cpu(), torch.no_grad():
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def assert_batch_equals_single_examples(model, ids, mask, **options) -> None:
+    """Each row's maps from the padded batch (ids, mask (B, L)), restricted to its real tokens, equal the maps of the
+    row alone without its pads (float64, rtol 1e-9, atol 1e-12). options: those of ``mc.implicit_attention``."""
+    batched = mc.implicit_attention(model, ids, attention_mask=mask, **options)
+    for b in range(ids.shape[0]):
+        real = mask[b].bool()
+        single = mc.implicit_attention(model, ids[b:b + 1, real], **options)
+        for key in batched:
+            torch.testing.assert_close(batched[key][b][real][:, real].double(), single[key][0].double(),
+                                       rtol=1e-9, atol=1e-12)
+
+
+class OpRecorder:
+    """Record the calls of the ops ``names`` that the model's mixers' modules hold (swapped in place while entered):
+    each call as (name, its bound arguments, positional ones named and ``**kwargs`` merged in, its first output)."""
+
+    def __init__(self, model, names):
+        self.modules = {importlib.import_module(type(m).__module__) for m in fla_mixers(model)}
+        self.names, self.calls, self.saved = names, [], []
+
+    def __enter__(self):
+        for module in self.modules:
+            for name in self.names:
+                if not hasattr(module, name):
+                    continue
+                original = getattr(module, name)
+
+                def recording(*args, _original=original, _name=name, **kwargs):
+                    out = _original(*args, **kwargs)
+                    named = inspect.signature(_original).bind(*args, **kwargs).arguments
+                    self.calls.append((_name, {**named.pop("kwargs", {}), **named}, out[0]))
+                    return out
+
+                self.saved.append((module, name, original))
+                setattr(module, name, recording)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self.saved):
+            setattr(module, name, original)

@@ -118,28 +118,50 @@ def test_cross_entropy_with_ignored_rows_and_z_loss():
     assert z_loss[1] == 0
 
 
-def test_the_swaps_are_in_place_only_inside_the_context_and_per_thread():
-    import fla.layers.gla as gla_layer
-    import fla.modules.norm.layernorm as where
-    original = where.rms_norm
+def in_a_fresh_thread(function):
+    """``function()`` in a thread of its own: outside every fla_on_cpu() (the test session holds one on the main
+    thread, tests/conftest.py). Returns what it returned, or the name of what it raised."""
     seen = {}
+
+    def run():
+        try:
+            seen["outcome"] = function()
+        except Exception as error:  # noqa: BLE001 (Triton without a GPU fails; the point is that it was called)
+            seen["outcome"] = type(error).__name__
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return seen["outcome"]
+
+
+def test_a_swap_is_installed_where_fla_holds_the_function_and_undone_by_the_last_user():
+    import fla.modules.token_shift as where
+    from mamba_captum.fla_cpu.swaps import SwapSet
+
+    original = where.token_shift_ref
+
+    def doubled(x, cu_seqlens=None):
+        return 2 * original(x, cu_seqlens)
+
+    swaps = SwapSet(lambda: [FlaSwap("fla.modules.token_shift", "token_shift_ref", doubled)])
+    x = rand(1, 4, 2)
+    with swaps.entered(False):
+        with swaps.entered(False):  # nested users share one installation
+            assert where.token_shift_ref is not original
+            torch.testing.assert_close(where.token_shift_ref(x), 2 * original(x))
+            # another thread is not inside: fla's own function
+            torch.testing.assert_close(in_a_fresh_thread(lambda: where.token_shift_ref(x)), original(x))
+        assert where.token_shift_ref is not original  # the outer user is still inside
+    assert where.token_shift_ref is original
+
+
+def test_the_session_context_swaps_for_its_thread_only():
+    import fla.modules.norm.layernorm as where
+    x, weight = rand(2, 3), rand(3)
     with mc.fla_on_cpu():
-        assert where.rms_norm is not original and gla_layer.chunk_gla.__mamba_captum_original__ is not None
-        x, weight = rand(2, 3), rand(3)
         torch.testing.assert_close(where.rms_norm(x, weight, None), modules.rms_norm(x, weight, None))
-
-        def other_thread():  # another thread is not inside fla_on_cpu(): fla's own function (Triton) is called
-            try:
-                where.rms_norm(x, weight, None)
-                seen["outcome"] = "returned"
-            except Exception as error:  # noqa: BLE001 (Triton without a GPU fails; the point is that it was called)
-                seen["outcome"] = type(error).__name__
-
-        thread = threading.Thread(target=other_thread)
-        thread.start()
-        thread.join()
-    assert seen["outcome"] != "returned"
-    assert where.rms_norm is original and not hasattr(gla_layer.chunk_gla, "__mamba_captum_original__")
+        assert in_a_fresh_thread(lambda: where.rms_norm(x, weight, None)) == "RuntimeError"  # Triton, no GPU
 
 
 def test_every_swap_takes_every_parameter_of_the_installed_fla():
@@ -195,5 +217,5 @@ def test_an_activation_kept_in_an_attribute_runs_in_torch_inside_and_fla_outside
     torch.testing.assert_close(y, torch.nn.functional.silu(x))
     (grad,) = torch.autograd.grad(y.sum(), x)  # the backward, after the context closed
     torch.testing.assert_close(grad, torch.autograd.grad(torch.nn.functional.silu(x).sum(), x)[0])
-    with pytest.raises(Exception):  # outside fla_on_cpu(): fla's own (Triton) kernel, which a CPU cannot run
-        act(x.detach())
+    # outside fla_on_cpu(): fla's own (Triton) kernel, which a CPU cannot run
+    assert isinstance(in_a_fresh_thread(lambda: act(x.detach())), str)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import fla_mixers, fla_models, padded_batch
+from fla_models import fla_mixers, fla_models, padded_batch, run_hooked, scale_up_mixer_weights
 from test_kernel_delta_rule_states import Float64
 from transformers import AutoModelForCausalLM
 
@@ -241,14 +241,7 @@ def tiny_model(config_class, dtype=torch.float64, seed=0, **kwargs):
                                                bos_token_id=1, eos_token_id=2, fuse_cross_entropy=False,
                                                use_cache=False, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for mixer in fla_mixers(model):
-            for name, parameter in mixer.named_parameters():
-                if parameter.dim() == 2 and name.endswith("weight"):
-                    parameter.normal_(0.0, 0.4, generator=generator)
-    return model
+    return scale_up_mixer_weights(AutoModelForCausalLM.from_config(config).to(dtype).eval(), seed)
 
 
 def unified_identity_error(model, ids, mask, sum_substeps=1):
@@ -260,12 +253,7 @@ def unified_identity_error(model, ids, mask, sum_substeps=1):
             lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(x=out.detach())))
         handles.append(mixer.o_proj.register_forward_pre_hook(
             lambda mod, args, mixer=mixer: records.setdefault(mixer, {}).update(y=args[0].detach())))
-    try:
-        with mc.fla_on_cpu(), torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, ids, mask, handles)
     operators = list(mc.build_operators(model, ids, mask, formulation="unified")[0].values())
     assert len(operators) == len(records) == 2
     worst, real = 0.0, mask.bool()

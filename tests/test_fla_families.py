@@ -4,12 +4,11 @@ the hidden maps equal an impulse reference through fla's own naive op (one-hot v
 inputs), batches equal single examples, left padding equals no padding, and nothing is left on the model."""
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import FLA_SPECS, fla_mixers, make_fla_model, padded_batch
+from fla_models import (FLA_SPECS, OpRecorder, assert_batch_equals_single_examples, fla_mixers, make_fla_model,
+                        padded_batch, run_hooked)
 from test_engine import assert_untouched, model_state
 
 import mamba_captum as mc
@@ -24,12 +23,7 @@ def unified_records(name, model, ids, mask):
             lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(x=out.detach())))
         handles.append(mixer.o_proj.register_forward_pre_hook(
             lambda mod, args, mixer=mixer: records.setdefault(mixer, {}).update(out_in=args[0].detach())))
-    try:
-        with mc.fla_on_cpu(), torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, ids, mask, handles)
     return records
 
 
@@ -62,50 +56,16 @@ def test_unified_identity_out_proj_input_equals_H_x(name, dtype):
     assert_untouched(model, before)
 
 
-class OpRecorder:
-    """Record the core op calls of the fla layers' modules (the swapped functions the layers call)."""
-
-    def __init__(self, name, model):
-        self.NAMES = FLA_SPECS[name]["ops"]
-        self.modules = {importlib_module(type(m).__module__) for m in fla_mixers(model)}
-        self.calls, self.saved = [], []
-
-    def __enter__(self):
-        for module in self.modules:
-            for name in self.NAMES:
-                if hasattr(module, name):
-                    original = getattr(module, name)
-
-                    def recording(*args, _original=original, _name=name, **kwargs):
-                        out = _original(*args, **kwargs)
-                        named = inspect.signature(_original).bind(*args, **kwargs).arguments  # positional too
-                        self.calls.append((_name, args, {**named.pop("kwargs", {}), **named}, out[0]))
-                        return out
-
-                    self.saved.append((module, name, original))
-                    setattr(module, name, recording)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in reversed(self.saved):
-            setattr(module, name, original)
-
-
-def importlib_module(name):
-    import importlib
-    return importlib.import_module(name)
-
-
 @pytest.mark.parametrize("name", FLA)
 def test_hidden_maps_equal_the_naive_op_impulse_response(name):
     model = make_fla_model(name, torch.float64)
     ids = padded_batch(length=10)[0]
     spec = FLA_SPECS[name]
-    with mc.fla_on_cpu(), OpRecorder(name, model) as recorder, torch.no_grad():
+    with mc.fla_on_cpu(), OpRecorder(model, spec["ops"]) as recorder, torch.no_grad():
         model(input_ids=ids, use_cache=False)
     operators = head_operators(model, ids, None, "hidden")
     assert len(recorder.calls) == len(operators) > 0
-    for op, (op_name, args, kwargs, out) in zip(operators, recorder.calls):
+    for op, (op_name, kwargs, out) in zip(operators, recorder.calls):
         alpha = op.maps(reduce=None)  # (B, H, L, L): one map per head
         reference = spec["impulse"](kwargs)
         assert relative_error(alpha, reference) <= 1e-6, (name, op_name)
@@ -116,14 +76,7 @@ def test_hidden_maps_equal_the_naive_op_impulse_response(name):
 @pytest.mark.parametrize("name", FLA)
 def test_batch_equals_single_examples_and_left_padding_equals_none(name):
     model = make_fla_model(name, torch.float64)
-    ids, mask = padded_batch(length=12)
-    batched = mc.implicit_attention(model, ids, attention_mask=mask)
-    for b in range(2):
-        real = mask[b].bool()
-        single = mc.implicit_attention(model, ids[b:b + 1, real])
-        for key in batched:
-            torch.testing.assert_close(batched[key][b][real][:, real].double(), single[key][0].double(),
-                                       rtol=1e-9, atol=1e-12)
+    assert_batch_equals_single_examples(model, *padded_batch(length=12))
 
 
 def test_the_library_enters_fla_on_cpu_by_itself():

@@ -9,13 +9,13 @@ recorded op inputs, batches equal single examples, and a CPU training step runs 
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import _common, _one_hot_values, fla_mixers, fla_models, gla_impulse, padded_batch
+from fla_models import (OpRecorder, assert_batch_equals_single_examples, common_config, fla_mixers, fla_models,
+                        gla_impulse, one_hot_values, padded_batch, run_hooked, scale_up_mixer_weights)
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
 
@@ -158,22 +158,22 @@ def retention_with_conv(config, layer_idx):
 
 # name -> (config class, tiny kwargs, the values' submodule (the unified x), the layer's op names, replacement mixer)
 MODELS = {
-    "hgrn": ("HGRNConfig", _common(), "i_proj", ("fused_recurrent_hgrn", "chunk_hgrn"), None),
-    "hgrn_conv": ("HGRNConfig", _common(use_short_conv=True, conv_size=4), "i_proj",
+    "hgrn": ("HGRNConfig", common_config(), "i_proj", ("fused_recurrent_hgrn", "chunk_hgrn"), None),
+    "hgrn_conv": ("HGRNConfig", common_config(use_short_conv=True, conv_size=4), "i_proj",
                   ("fused_recurrent_hgrn", "chunk_hgrn"), None),
     # 4 heads of 8 key and 8 value channels; layer 1 takes the model's lower bound
-    "hgrn2": ("HGRN2Config", _common(expand_ratio=8), "i_proj", ("fused_recurrent_gla", "chunk_gla"), None),
-    "hgrn2_conv": ("HGRN2Config", _common(expand_ratio=8, use_short_conv=True, conv_size=4), "i_proj",
+    "hgrn2": ("HGRN2Config", common_config(expand_ratio=8), "i_proj", ("fused_recurrent_gla", "chunk_gla"), None),
+    "hgrn2_conv": ("HGRN2Config", common_config(expand_ratio=8, use_short_conv=True, conv_size=4), "i_proj",
                    ("fused_recurrent_gla", "chunk_gla"), None),
-    "lightnet_conv": ("LightNetConfig", _common(expand_ratio=8, gate_low_rank_dim=8, use_short_conv=True,
-                                                conv_size=4), "v_proj",
+    "lightnet_conv": ("LightNetConfig", common_config(expand_ratio=8, gate_low_rank_dim=8, use_short_conv=True,
+                                                      conv_size=4), "v_proj",
                       ("fused_recurrent_lightnet", "chunk_lightnet"), None),
-    "linear_attn": ("LinearAttentionConfig", _common(num_heads=2, feature_map="hedgehog", norm_feature_map=True),
+    "linear_attn": ("LinearAttentionConfig", common_config(num_heads=2, feature_map="hedgehog", norm_feature_map=True),
                     "v_proj", ("fused_recurrent_linear_attn", "chunk_linear_attn"), None),
-    "retnet_conv": ("RetNetConfig", _common(num_heads=2, expand_k=0.5, expand_v=1.0), "v_proj",
+    "retnet_conv": ("RetNetConfig", common_config(num_heads=2, expand_k=0.5, expand_v=1.0), "v_proj",
                     ("fused_recurrent_retention", "chunk_retention"), retention_with_conv),
-    "retnet_gqa": ("RetNetConfig", _common(num_heads=4, num_kv_heads=2, expand_k=1.0, expand_v=1.0, feature_map="relu",
-                                           fuse_norm=False), "v_proj",
+    "retnet_gqa": ("RetNetConfig", common_config(num_heads=4, num_kv_heads=2, expand_k=1.0, expand_v=1.0,
+                                                 feature_map="relu", fuse_norm=False), "v_proj",
                    ("fused_recurrent_retention", "chunk_retention"), None),
 }
 
@@ -188,14 +188,7 @@ def make_model(name, dtype=torch.float64, seed=0, **overrides):
     if replacement is not None:
         for index, layer in enumerate(model.model.layers):
             setattr(layer, *replacement(config, index))
-    model = model.to(dtype).eval()
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for module in fla_mixers(model):
-            for parameter_name, parameter in module.named_parameters():
-                if parameter.dim() == 2 and parameter_name.endswith("weight"):
-                    parameter.normal_(0.0, 0.4, generator=generator)
-    return model
+    return scale_up_mixer_weights(model.to(dtype).eval(), seed)
 
 
 def lightnet_impulse(kwargs):
@@ -204,7 +197,7 @@ def lightnet_impulse(kwargs):
     q, logits = kwargs["q"].double(), kwargs["k"].double()
     batch, length, heads, _ = q.shape
     k, gate, _ = additive_gate_reference(logits)
-    return naive_recurrent_gla(q, k, _one_hot_values(batch, length, heads), gate)[0].permute(0, 2, 1, 3)
+    return naive_recurrent_gla(q, k, one_hot_values(batch, length, heads), gate)[0].permute(0, 2, 1, 3)
 
 
 def linear_attn_impulse(kwargs):
@@ -212,7 +205,7 @@ def linear_attn_impulse(kwargs):
     one-hot values."""
     q, k = kwargs["q"].double(), kwargs["k"].double()
     batch, length, heads, _ = q.shape
-    out, _ = naive_recurrent_linear_attn(q, k, _one_hot_values(batch, length, heads), scale=kwargs.get("scale"),
+    out, _ = naive_recurrent_linear_attn(q, k, one_hot_values(batch, length, heads), scale=kwargs.get("scale"),
                                          normalize=bool(kwargs.get("normalize", False)))
     return out.double().permute(0, 2, 1, 3)
 
@@ -240,12 +233,7 @@ def records_of(name, model, ids, mask):
             lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(x=out.detach().clone())))
         handles.append(mixer.register_forward_hook(
             lambda mod, args, out, mixer=mixer: records.setdefault(mixer, {}).update(out=out[0].detach())))
-    try:
-        with mc.fla_on_cpu(), torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, ids, mask, handles)
     return records
 
 
@@ -270,33 +258,6 @@ def test_unified_readout_of_H_x_equals_the_layer_output(name, dtype):
     assert_untouched(model, before)
 
 
-class OpRecorder:
-    """Record the calls of ``names`` in the mixers' modules (the swapped ops), with their bound arguments."""
-
-    def __init__(self, model, names):
-        import importlib
-        self.modules = {importlib.import_module(type(m).__module__) for m in fla_mixers(model)}
-        self.names, self.calls, self.saved = names, [], []
-
-    def __enter__(self):
-        for module in self.modules:
-            for name in self.names:
-                original = getattr(module, name)
-
-                def recording(*args, _original=original, **kwargs):
-                    out = _original(*args, **kwargs)
-                    self.calls.append((inspect.signature(_original).bind(*args, **kwargs).arguments, out[0]))
-                    return out
-
-                self.saved.append((module, name, original))
-                setattr(module, name, recording)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in reversed(self.saved):
-            setattr(module, name, original)
-
-
 @pytest.mark.parametrize("name", ["hgrn_conv", "hgrn2_conv", "lightnet_conv", "linear_attn"])
 def test_hidden_maps_equal_the_impulse_reference(name):
     model = make_model(name)
@@ -306,7 +267,7 @@ def test_hidden_maps_equal_the_impulse_reference(name):
         model(input_ids=ids, use_cache=False)
     operators = list(mc.build_operators(model, ids, None, formulation="hidden")[0].values())
     assert len(recorder.calls) == len(operators) == 2
-    for op, (kwargs, out) in zip(operators, recorder.calls):
+    for op, (_, kwargs, out) in zip(operators, recorder.calls):
         alpha = op.maps(reduce=None)  # (B, H, L, L)
         assert relative_error(alpha, impulse(kwargs)) <= 1e-6, name
         values = kwargs[value_key].double()
@@ -320,14 +281,7 @@ def test_hidden_maps_equal_the_impulse_reference(name):
 def test_batch_equals_single_examples_and_padding_equals_none(name, left, formulation):
     """HGRN runs its pads (a right pad's output is the decaying state): the rebuild reproduces them too."""
     model = make_model(name)
-    ids, mask = padded_batch(length=12, left=left)
-    batched = mc.implicit_attention(model, ids, attention_mask=mask, formulation=formulation)
-    for b in range(2):
-        real = mask[b].bool()
-        single = mc.implicit_attention(model, ids[b:b + 1, real], formulation=formulation)
-        for key in batched:
-            torch.testing.assert_close(batched[key][b][real][:, real].double(), single[key][0].double(),
-                                       rtol=1e-9, atol=1e-12)
+    assert_batch_equals_single_examples(model, *padded_batch(length=12, left=left), formulation=formulation)
 
 
 @pytest.mark.parametrize("name", ["hgrn", "hgrn2", "lightnet_conv", "linear_attn", "retnet_conv"])

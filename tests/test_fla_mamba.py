@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import relative_error
-from fla_models import VOCAB, fla_mixers, fla_models, padded_batch
+from fla_models import VOCAB, fla_mixers, fla_models, padded_batch, run_hooked
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
 
@@ -108,12 +108,7 @@ def record(model, ids, mask):
         if hasattr(mixer, "x_proj"):
             handles.append(mixer.x_proj.register_forward_hook(keep("x_proj")))
             handles.append(mixer.dt_proj.register_forward_hook(keep("dt_proj")))
-    try:
-        with mc.fla_on_cpu(), torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_hooked(model, ids, mask, handles)
     return records
 
 

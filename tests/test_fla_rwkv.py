@@ -23,7 +23,7 @@ from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
 from fla.ops.rwkv7.fused_addcmul import torch_addcmul_rwkv7
 from fla.ops.rwkv7.fused_k_update import k_update_ref
 from fla.ops.rwkv7.gate_output_correction import gate_output_correction_ref
-from fla_models import _common, fla_mixers, fla_models, padded_batch
+from fla_models import assert_batch_equals_single_examples, common_config, fla_mixers, fla_models, padded_batch
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
 
@@ -211,7 +211,7 @@ def make_model(name, dtype=torch.float64, seed=0, **overrides):
     attention perturbed so that each factor of the operator matters (the group norm's weight and bias differ per
     channel)."""
     config_class, kwargs = MODELS[name]["config"]
-    config = getattr(fla_models, config_class)(**_common(**{**kwargs, **overrides}))
+    config = getattr(fla_models, config_class)(**common_config(**{**kwargs, **overrides}))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
     generator = torch.Generator().manual_seed(seed)
@@ -409,15 +409,7 @@ def test_unified_without_the_norm_is_gate_times_core(name):
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("formulation", ["hidden", "unified"])
 def test_batch_equals_single_examples_and_left_padding_equals_none(name, formulation):
-    model = make_model(name)
-    ids, mask = padded_batch(length=12)
-    batched = mc.implicit_attention(model, ids, attention_mask=mask, formulation=formulation)
-    for b in range(2):
-        real = mask[b].bool()
-        single = mc.implicit_attention(model, ids[b:b + 1, real], formulation=formulation)
-        for key in batched:
-            torch.testing.assert_close(batched[key][b][real][:, real].double(), single[key][0].double(),
-                                       rtol=1e-9, atol=1e-12)
+    assert_batch_equals_single_examples(make_model(name), *padded_batch(length=12), formulation=formulation)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..files import atomic_target, check_outputs, write_atomically
 from ..fla_cpu import fla_available
 from ..usage import evaluate_parser
-from .models import FAMILIES, FLA_FAMILIES, training_record, weights_root
+from .models import FAMILIES, FLA_FAMILIES, shipped, training_record, weights_root
 from .results import LOCALISATION, PERTURBATION, journal_problem, read_doc, read_results
 from .tasks import TASKS
 
@@ -34,7 +34,7 @@ def available_models(families, tasks, root=None, bar=ACCURACY_BAR):
     usable, skipped = [], []
     for task in tasks:
         for family in families:
-            if task == "bbc_news" and family != "mamba":
+            if not shipped(family, task):
                 continue
             try:
                 record = training_record(family, task, root)

@@ -91,19 +91,36 @@ def _check_vocabulary(tokenizer, path: Path) -> None:
                          "are missing); save it there with tokenizer.save_pretrained(DIR).")
 
 
-def _register_fla_model_type(path: Path) -> None:
-    """Import flash-linear-attention's models when the checkpoint's model type is one transformers does not know and fla
-    is installed: fla registers its types with transformers' Auto classes on import (without taking over transformers'
-    own types, :func:`mamba_captum.fla_cpu.import_fla_models`)."""
+# transformers' own model types that fla registers its configs under: a checkpoint of fla's says so by the loss
+# switches every fla config writes (transformers' configs have none)
+FLA_SHARED_TYPES = ("mamba", "mamba2", "bitnet")
+
+
+def _fla_config(path: Path):
+    """The checkpoint's config as flash-linear-attention's config class, when it is an fla checkpoint that
+    transformers would otherwise read (fla's model types transformers does not know: fla's models are imported so
+    that ``AutoConfig`` knows them, :func:`mamba_captum.fla_cpu.import_fla_models`; fla's ``mamba`` / ``mamba2`` /
+    ``bitnet``, which transformers would read as its own different models: fla's config class itself), else None."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        raw = json.loads((path / "config.json").read_text())
+        model_type = raw.get("model_type")
     except (OSError, ValueError, AttributeError):
-        return  # AutoConfig reports the unreadable file
-    if not isinstance(model_type, str) or model_type in CONFIG_MAPPING or not fla_available():
-        return
-    import_fla_models()
+        return None  # AutoConfig reports the unreadable file
+    if not isinstance(model_type, str):
+        return None
+    if model_type not in CONFIG_MAPPING:  # fla is imported (seconds) only for a checkpoint that may be fla's
+        if fla_available():
+            import_fla_models()
+        return None
+    if model_type in FLA_SHARED_TYPES and "fuse_cross_entropy" in raw and fla_available():
+        fla_models = import_fla_models()
+        config_class = next((c for c in vars(fla_models).values() if isinstance(c, type)
+                             and getattr(c, "model_type", None) == model_type and hasattr(c, "from_pretrained")),
+                            None)
+        return None if config_class is None else config_class.from_pretrained(path)
+    return None
 
 
 def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=None, max_memory=None,
@@ -138,9 +155,9 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=N
                          offload_folder=str(offload_folder or _offload_folder()))
     else:
         check_device(device)
-    _register_fla_model_type(path)
+    fla_config = _fla_config(path)
     try:
-        config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+        config = fla_config or tf.AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as error:  # only the file is read here: malformed JSON, an unknown model_type, a wrong field
         raise UsageError(f"the config.json in {str(path)!r} cannot be read: {_first_line(error)}") from None
     _check_weight_files(path)
@@ -155,7 +172,7 @@ def load(model_dir, *, device: str = "cpu", dtype: str = "float32", device_map=N
             auto = tf.AutoModelForCausalLM
         # mismatched shapes are reported below, by name, rather than raised with the details only in HF's log
         model, loading = auto.from_pretrained(path, local_files_only=True, output_loading_info=True,
-                                              ignore_mismatched_sizes=True, **placement)
+                                              ignore_mismatched_sizes=True, config=config, **placement)
     except ValueError as error:  # transformers' "Unrecognized configuration class ..."
         raise UsageError(f"model type {config.model_type!r} cannot be loaded as a causal LM or sequence "
                          f"classifier: {_first_line(error)}") from None

@@ -99,13 +99,21 @@ def is_fla_layer(module: nn.Module) -> bool:
     return layers is not None and cls.__name__ in getattr(layers, "__all__", ())
 
 
+def claimed(module: nn.Module) -> bool:
+    """Whether the registry's adapter for the module's class name is meant for this module: an ``fla_*`` adapter only
+    for flash-linear-attention's own classes (mamba-ssm's layers, the official Vim code's included, are also called
+    ``Mamba`` / ``Mamba2``)."""
+    family = MIXER_FAMILIES.get(type(module).__name__)
+    return family is not None and (not family.startswith("fla_") or type(module).__module__.startswith("fla."))
+
+
 def _is_unsupported_mixer(module: nn.Module) -> bool:
     name = type(module).__name__
     if is_fla_layer(module):  # every fla layer mixes tokens: an adapter explains it, or it is refused
         return name not in MIXER_FAMILIES
     if name in REFUSED or name in catalogue.DECODER_MIXERS:  # known not to fit, whether or not an adapter exists
         return True
-    if name in MIXER_FAMILIES:
+    if claimed(module):
         return False
     if any(fragment in name for fragment in MIXER_NAME_FRAGMENTS) \
             and not any(fragment in name for fragment in CONTAINER_NAME_FRAGMENTS):
@@ -144,7 +152,7 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                     f"mamba_captum: layer {index} uses the token mixer {type(module).__name__}"
                     f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "
                     f"report it. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
-            adapter = adapter_for(type(module).__name__)
+            adapter = adapter_for(type(module).__name__) if claimed(module) else None
             if adapter is not None:
                 # where the mixer sits in its decoder layer may decide how it composes with the others (Inkling's
                 # convolutions after the attention and after the MLP); an adapter refuses a place it does not know
@@ -222,7 +230,7 @@ def preserved_state(model: nn.Module):
     """Undo what a forward pass of the model changes on its own modules, on every exit path: RWKV's in-place
     rescaling of weights on its first eval (or train) forward, and RecurrentGemma's cached recurrent states: each
     adapter's ``preserved_state``, for the families whose mixers the model contains (only those adapters load)."""
-    families = sorted({MIXER_FAMILIES[type(m).__name__] for m in model.modules() if type(m).__name__ in MIXER_FAMILIES})
+    families = sorted({MIXER_FAMILIES[type(m).__name__] for m in model.modules() if claimed(m)})
     with contextlib.ExitStack() as stack:
         for family in families:
             adapter = load_adapter(family)

@@ -29,7 +29,7 @@ import torch
 from ..kernels.dplr.chunked import dplr_chunked
 from ..operators import DPLRCore
 from .common import run
-from .fla_delta_net import checked_input, delta_operator, output_gate, qkv_projections
+from .fla_delta_net import delta_layer_input, delta_operator, output_gate
 from .fla_gated_deltanet import head_log_decay
 
 MIXER_CLASSES = ("Comba",)
@@ -39,16 +39,15 @@ INNER_MIXERS = {"Comba": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short conv
 
 
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
-    """Rebuild the layer's operator from its recorded input (module docstring).
+    """Rebuild the layer's operator (a DPLR core: the delta rule with Comba's read-out correction; module docstring)
+    from its recorded input.
 
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    h = checked_input(call, formulation)
+    mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
     batch, length, _ = h.shape
     heads, value_heads, key_dim, value_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
-    q, k, value_pre, act_pre, v = qkv_projections(mixer, h, call.attention_mask)
     with torch.no_grad():
         q, k = (x.double().reshape(batch, length, heads, key_dim) for x in (q, k))
         p = k * torch.sigmoid(mixer.decay.double())[:, None] if mixer.use_inner_decay else k

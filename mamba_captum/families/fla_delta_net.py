@@ -85,6 +85,23 @@ def qkv_projections(mixer, h, mask, *, qk_silu: bool = True):
     return q, k, value_pre, act_pre, v
 
 
+def delta_layer_input(call, formulation: str, *, qk_silu: bool = True):
+    """(mixer, h, projections) of a delta-rule layer's recorded call: the layer, its input h (B, L, D) from
+    :func:`checked_input` and ``(q, k, value_pre, act_pre, v)`` from :func:`qkv_projections`."""
+    mixer = call.located.module
+    h = checked_input(call, formulation)
+    return mixer, h, qkv_projections(mixer, h, call.attention_mask, qk_silu=qk_silu)
+
+
+def write_strength(mixer, h) -> torch.Tensor:
+    """β (B, L, HV) float64: σ(b_proj h) (1 without ``use_beta``), × 2 with ``allow_neg_eigval``."""
+    if getattr(mixer, "use_beta", True):
+        beta = torch.sigmoid(run(mixer.b_proj, h).double())
+    else:
+        beta = torch.ones(*h.shape[:2], mixer.num_heads, dtype=torch.float64, device=h.device)
+    return beta * 2.0 if mixer.allow_neg_eigval else beta
+
+
 def output_gate(mixer, h, gated: bool, head_dim: int):
     """(gate (B, L, HV, P) float64 or None, norm): the gated norm's gate act(g_proj h) (act: fla's swish or sigmoid,
     from ``o_norm.activation``) and ``o_norm``; without a gate (None, ``o_norm``)."""
@@ -143,18 +160,13 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    h = checked_input(call, formulation)
+    mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation,
+                                                                qk_silu=call.located.module.qk_activation == "silu")
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
-    q, k, value_pre, act_pre, v = qkv_projections(mixer, h, call.attention_mask,
-                                                  qk_silu=mixer.qk_activation == "silu")
     with torch.no_grad():
         q, k = (_feature_map(mixer, x.reshape(batch, length, heads, key_dim)).flatten(2) for x in (q, k))
-        beta = torch.sigmoid(run(mixer.b_proj, h).double()) if mixer.use_beta else \
-            torch.ones(batch, length, heads, dtype=torch.float64, device=h.device)
-        if mixer.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = write_strength(mixer, h)
         no_decay = torch.zeros(batch, length, heads, dtype=torch.float64, device=h.device)
         if mixer.qk_norm == "l2":
             core = delta_rule_inputs(q, k, beta, no_decay, heads, key_dim, work_dtype)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import run
-from .fla_delta_net import checked_input, delta_operator, output_gate, qkv_projections
+from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("GatedDeltaNet",)
@@ -51,14 +51,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    h = checked_input(call, formulation)
+    mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
     value_heads, value_dim = mixer.num_v_heads, mixer.head_v_dim
-    q, k, value_pre, act_pre, v = qkv_projections(mixer, h, call.attention_mask)
     with torch.no_grad():
-        beta = torch.sigmoid(run(mixer.b_proj, h).double())
-        if mixer.allow_neg_eigval:
-            beta = beta * 2.0
+        beta = write_strength(mixer, h)
         log_decay = head_log_decay(run(mixer.a_proj, h), mixer.A_log, mixer.dt_bias)
         core = delta_rule_inputs(q, k, beta, log_decay, value_heads, mixer.head_k_dim, work_dtype)
     gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)

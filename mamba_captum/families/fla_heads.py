@@ -34,44 +34,58 @@ def short_conv(conv, x: torch.Tensor, dtype: torch.dtype | None = None):
     return pre, F.silu(pre)
 
 
-def rms_scale(norm, output: torch.Tensor) -> torch.Tensor:
-    """ν (B, L, H, P): an fla RMSNorm's (or gated RMSNorm's) per-token scale over each head's channels, weight / rms.
-    A LayerNorm (a mean subtracted, a bias added) is not a scale: refused."""
+def rms_scale(norm, output: torch.Tensor, *, over_width: bool = False, eps: float | None = None) -> torch.Tensor:
+    """ν (B, L, H, P): an fla RMSNorm's (or gated RMSNorm's) per-token scale weight / rms of output (B, L, H, P), the
+    rms over each head's P channels or, with ``over_width``, over all H·P channels of the token (one norm across the
+    heads, weight (H·P,)). eps: the epsilon the layer uses (default ``norm.eps``). A LayerNorm (a mean subtracted, a
+    bias added) is not a scale: refused."""
     if getattr(norm, "bias", None) is not None or type(norm).__name__.startswith(("LayerNorm", "FusedLayerNorm")):
         raise NotImplementedError(f"mamba_captum: the output norm {type(norm).__name__} is not an RMS scale.")
-    inv = torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + norm.eps)
+    eps = norm.eps if eps is None else eps
+    channels = output.reshape(*output.shape[:2], -1) if over_width else output
+    inv = torch.rsqrt(channels.pow(2).mean(-1, keepdim=True) + eps)
     weight = getattr(norm, "weight", None)
-    return inv if weight is None else weight.to(output.dtype) * inv
+    if not over_width:
+        return inv if weight is None else weight.to(output.dtype) * inv
+    # the width norm's weight in float64 (the scale float64 even for a float32 output), as its layers' rebuilds had it
+    scale = inv.expand_as(channels) if weight is None else inv * weight.double()
+    return scale.reshape(output.shape)
 
 
 def head_operator(call, formulation, components, work_dtype, *, core, heads: int, head_dim: int, values, output,
-                  gate, norm, out_proj, value_pre=None, conv_pre=None, taps=None):
+                  gate, norm, out_proj, value_pre=None, conv_pre=None, taps=None, norm_over_width: bool = False,
+                  norm_eps: float | None = None, zero_pads: bool = True):
     """The hidden or unified :class:`HeadOperator` of a layer whose output is ``out_proj(ν(o) ⊙ gate ⊙ o)`` with
     ``o = α v`` per head.
 
     Args:
         core: the core α (a ``_Core`` of :mod:`mamba_captum.operators.heads`).
         values: (B, L, H, P) what the core mixes (after the conv). output: (B, L, H, P) ``o``, float64.
-        gate: (B, L, H, P) the output gate act(z), or None. norm: the RMS norm over each head's channels (its scale
-            ν from :func:`rms_scale`), or None.
+        gate: (B, L, H, P) the output gate act(z), or None. norm: the RMS norm (its scale ν from :func:`rms_scale`),
+            or None.
         value_pre, conv_pre, taps: the values before a SiLU short conv, its pre-activation (B, L, H·P) and the taps
             (H·P, K); None without a conv.
+        norm_over_width: the norm spans all H·P channels of a token (fla's HGRN, HGRN-2, LightNet), not each head's.
+        norm_eps: the norm's epsilon where the layer does not pass ``norm.eps``; None: ``norm.eps``.
+        zero_pads: zero the pads' rebuilt outputs (fla repads an unpadded batch with zeros); False for a layer that
+            runs its pads (HGRN).
     Returns:
-        (operator, the mixer's rebuilt output (B, L, D), pads zeroed).
+        (operator, the mixer's rebuilt output (B, L, D)).
     """
     hidden_states, mask = call.hidden_states, call.attention_mask
     batch, length = hidden_states.shape[:2]
     per_head = lambda t: t.reshape(batch, length, heads, head_dim)  # noqa: E731
     w = lambda t: None if t is None else t.to(work_dtype)  # noqa: E731
     gate = None if gate is None else gate.double()
+    nu = lambda out: rms_scale(norm, out, over_width=norm_over_width, eps=norm_eps)  # noqa: E731
 
     def scaled(out):  # ν(out) ⊙ gate ⊙ out, float64
         factor = out if gate is None else gate * out
-        return factor if norm is None else rms_scale(norm, out) * factor
+        return factor if norm is None else nu(out) * factor
 
     inner = scaled(output.double())
     rebuilt = run(out_proj, inner.reshape(batch, length, -1).to(hidden_states.dtype))
-    if mask is not None:
+    if mask is not None and zero_pads:
         rebuilt = rebuilt * mask.to(rebuilt.dtype)[:, :, None]
     readout_proj = linear_readout(out_proj)
     operator_mask = None if mask is None else w(mask)
@@ -79,8 +93,7 @@ def head_operator(call, formulation, components, work_dtype, *, core, heads: int
     if formulation == "hidden":  # the core's output; the norm and the gate come after it
         return HeadOperator(core, **common, values=w(values), output=w(output),
                             readout=lambda out: readout_proj(scaled(out).reshape(batch, length, -1))), rebuilt
-    nu = None if norm is None else rms_scale(norm, output.double())
-    row = gate_norm_rows(components, w(gate), w(nu))
+    row = gate_norm_rows(components, w(gate), None if norm is None else w(nu(output.double())))
     col = None
     if conv_pre is not None and "act" in components:
         col = per_head(torch.sigmoid(w(conv_pre)))

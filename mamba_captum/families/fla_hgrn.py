@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore
 from .common import run
-from .fla_hgrn2 import lower_bounded, refuse_conv_bias, refuse_packed, width_norm_operator
-from .fla_heads import short_conv
+from .fla_heads import head_operator, short_conv
+from .fla_hgrn2 import lower_bounded, refuse_conv_bias, refuse_norm_bias, refuse_packed
 
 MIXER_CLASSES = ("HGRNAttention",)
 INNER_MIXERS = {"HGRNAttention": ("i_conv1d", "f_conv1d")}  # the short convs: part of H
@@ -51,8 +51,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     mixer = call.located.module
     refuse_packed(call, "HGRN")
     refuse_conv_bias(mixer, "i_conv1d", formulation, "HGRN")
-    if getattr(mixer.g_norm, "bias", None) is not None:
-        raise NotImplementedError("mamba_captum: HGRN's output norm with a bias is not an RMS scale.")
+    refuse_norm_bias(mixer.g_norm, "HGRN")
     if mixer.g_norm.activation not in ("swish", "silu"):
         raise NotImplementedError(f"mamba_captum: HGRN's gated norm with activation {mixer.g_norm.activation!r}.")
     h, mask = call.hidden_states, call.attention_mask
@@ -75,7 +74,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                    log_forget.detach(), 1.0)
     gate = F.silu(run(mixer.g_proj, h).double())
     taps = mixer.i_conv1d.weight[:, 0, :] if mixer.use_short_conv else None
-    return width_norm_operator(call, formulation, components, work_dtype, core=core, heads=width, head_dim=1,
-                               values=channels(values).to(work_dtype), output=output, gate=channels(gate),
-                               norm_weight=mixer.g_norm.weight, eps=mixer.g_norm.eps, out_proj=mixer.o_proj,
-                               value_pre=value_pre, act_pre=pre, taps=taps, zero_pads=False)
+    return head_operator(call, formulation, components, work_dtype, core=core, heads=width, head_dim=1,
+                         values=channels(values).to(work_dtype), output=output, gate=channels(gate),
+                         norm=mixer.g_norm, out_proj=mixer.o_proj, value_pre=value_pre, conv_pre=pre, taps=taps,
+                         norm_over_width=True, zero_pads=False)

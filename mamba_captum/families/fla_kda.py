@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import run
-from .fla_delta_net import checked_input, delta_operator, output_gate, qkv_projections
+from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("KimiDeltaAttention",)
@@ -50,21 +50,17 @@ def channel_log_decay(f, A_log, dt_bias, lower_bound=None):
 
 
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
-    """Rebuild the layer's operator from its recorded input (module docstring).
+    """Rebuild the layer's operator (the delta rule with a decay per value head and key channel; module docstring)
+    from its recorded input.
 
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    h = checked_input(call, formulation)
-    batch, length, _ = h.shape
+    mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
     value_heads, key_dim, value_dim = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
-    q, k, value_pre, act_pre, v = qkv_projections(mixer, h, call.attention_mask)
     with torch.no_grad():
-        beta = torch.sigmoid(run(mixer.b_proj, h).double())
-        if mixer.allow_neg_eigval:
-            beta = beta * 2.0
-        raw = run(mixer.f_proj, h).reshape(batch, length, value_heads, key_dim)
+        beta = write_strength(mixer, h)
+        raw = run(mixer.f_proj, h).reshape(*h.shape[:2], value_heads, key_dim)
         log_decay = channel_log_decay(raw, mixer.A_log, mixer.dt_bias, mixer.lower_bound)
         core = delta_rule_inputs(q, k, beta, log_decay, value_heads, key_dim, work_dtype)
     gate, norm = output_gate(mixer, h, True, value_dim)

@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.gated_linear import gated_linear_chunked
-from ..operators import GatedLinearCore, masked_tokens
 from .common import run
-from .fla_hgrn2 import projected, refuse_conv_bias, refuse_packed, width_norm_operator
+from .fla_heads import head_operator
+from .fla_hgrn2 import checked_input, gated_linear_output, projected, refuse_norm_bias
 
 MIXER_CLASSES = ("LightNetAttention",)
 INNER_MIXERS = {"LightNetAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
@@ -52,13 +51,9 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    refuse_packed(call, "LightNet")
-    refuse_conv_bias(mixer, "v_conv1d", formulation, "LightNet")
-    if getattr(mixer.g_norm, "bias", None) is not None:
-        raise NotImplementedError("mamba_captum: LightNet's output norm with a bias is not an RMS scale.")
-    mask = call.attention_mask
-    h = masked_tokens(call.hidden_states, mask)
+    h = checked_input(call, formulation, "LightNet", "v_conv1d")
+    mixer, mask = call.located.module, call.attention_mask
+    refuse_norm_bias(mixer.g_norm, "LightNet")
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_f_dim, mixer.head_i_dim
     split = lambda t, d: t.reshape(batch, length, heads, d)  # noqa: E731
@@ -69,14 +64,11 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         v = v * mask[:, :, None].to(v.dtype)
     v = split(v, value_dim)
     scale = key_dim ** -0.5
-    with torch.no_grad():
-        core = GatedLinearCore(q.detach().to(work_dtype), keys.detach().to(work_dtype), log_decay.detach(), scale)
-    values = v.to(work_dtype)
-    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), log_decay, scale=scale)
+    core, values, output = gated_linear_output(q, keys, log_decay, v, scale, work_dtype)
     low_rank, up = mixer.g_proj  # nn.Sequential of two linears, run one by one (no hooks)
     gate = F.silu(run(up, run(low_rank, h)).double()).reshape(batch, length, heads, value_dim)
     taps = mixer.v_conv1d.weight[:, 0, :] if mixer.use_short_conv else None
-    return width_norm_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
-                               values=values, output=output, gate=gate, norm_weight=mixer.g_norm.weight,
-                               eps=GATED_NORM_LINEAR_EPS, out_proj=mixer.o_proj,
-                               value_pre=value_pre if mixer.use_short_conv else None, taps=taps)
+    return head_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
+                         values=values, output=output, gate=gate, norm=mixer.g_norm, out_proj=mixer.o_proj,
+                         value_pre=value_pre if mixer.use_short_conv else None, taps=taps, norm_over_width=True,
+                         norm_eps=GATED_NORM_LINEAR_EPS)

@@ -17,11 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.gated_linear import gated_linear_chunked
-from ..operators import GatedLinearCore, masked_tokens
 from .common import run
 from .fla_heads import head_operator
-from .fla_hgrn2 import projected, refuse_conv_bias, refuse_packed
+from .fla_hgrn2 import checked_input, gated_linear_output, projected
 
 MIXER_CLASSES = ("MultiScaleRetention",)
 INNER_MIXERS = {"MultiScaleRetention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
@@ -75,11 +73,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     Returns:
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
-    mixer = call.located.module
-    refuse_packed(call, "RetNet")
-    refuse_conv_bias(mixer, "v_conv1d", formulation, "RetNet")
-    mask = call.attention_mask
-    h = masked_tokens(call.hidden_states, mask)
+    mixer, mask = call.located.module, call.attention_mask
+    h = checked_input(call, formulation, "RetNet", "v_conv1d")
     batch, length, _ = h.shape
     heads, key_dim, value_dim, groups = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.num_kv_groups
     if groups > 1 and formulation == "unified" and mixer.use_short_conv:
@@ -100,10 +95,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     v = v.reshape(batch, length, -1, value_dim).repeat_interleave(groups, dim=2)
     log_decay = retention_log_decays(heads, h.device).expand(batch, length, heads)
     scale = key_dim ** -0.5
-    with torch.no_grad():
-        core = GatedLinearCore(q.detach().to(work_dtype), k.detach().to(work_dtype), log_decay, scale)
-    values = v.to(work_dtype)
-    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), log_decay, scale=scale)
+    core, values, output = gated_linear_output(q, k, log_decay, v, scale, work_dtype)
     if mixer.fuse_norm_and_gate:
         gate, norm = F.silu(run(mixer.g_proj, h).double()), mixer.g_norm_swish_gate
     else:

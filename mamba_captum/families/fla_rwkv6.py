@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.gated_linear import gated_linear_chunked
-from ..operators import GatedLinearCore, HeadOperator, masked_tokens
+from ..operators import GatedLinearCore, HeadOperator
 from .common import linear_readout, run
-from .fla_rwkv7 import group_norm, norm_statistics
+from .fla_rwkv7 import group_norm, norm_statistics, shifted_input
 
 MIXER_CLASSES = ("RWKV6Attention",)
 LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's RWKV-6 has none yet (its "
@@ -53,14 +53,10 @@ def gate_activation(mixer):
 def layer_inputs(mixer, call):
     """What RWKV6Attention computes before its core, from the recorded call: r, w (log decays), k (B, L, H, K),
     v (B, L, H, P) pads zeroed, and the gate act(g) (B, L, H, P), all float64."""
-    if call.options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: RWKV6Attention with packed sequences (cu_seqlens); pass a padded "
-                                  "batch with attention_mask instead.")
     mask = call.attention_mask
-    h = masked_tokens(call.hidden_states, mask)
+    h, delta = shifted_input(mixer, call)
     batch, length, width = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
-    delta = F.pad(h, (0, 0, 1, -1)) - h  # token_shift: h_{t−1} − h_t, zero before the first token
     lerp, activation, project = mixer.x_proj
     low = run(activation, run(lerp.linear, h + delta * lerp.mu)).view(batch, length, -1, mixer.proj_low_rank_dim)
     mixes = torch.einsum("btnr,hnr->btnh", low, project.weight.view(width, 5, -1)) + mixer.x_bias

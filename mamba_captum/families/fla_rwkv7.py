@@ -80,19 +80,24 @@ def group_norm(norm, o: torch.Tensor) -> torch.Tensor:
     return out if bias is None else out + bias
 
 
+def shifted_input(mixer, call):
+    """(h, δ) of an RWKV layer's recorded call: its input h (B, L, D) with the pads zeroed and the token shift
+    δ_t = h_{t−1} − h_t (zero before the first token), after refusing packed sequences."""
+    if call.options.get("cu_seqlens") is not None:
+        raise NotImplementedError(f"mamba_captum: {type(mixer).__name__} with packed sequences (cu_seqlens); pass a "
+                                  "padded batch with attention_mask instead.")
+    h = masked_tokens(call.hidden_states, call.attention_mask)
+    return h, F.pad(h, (0, 0, 1, -1)) - h
+
+
 def layer_inputs(mixer, call):
     """What RWKV7Attention computes before its core, from the recorded call: a dict of r, w (log decays), k (updated),
     v (after the value residual, pads zeroed), kk, a (B, L, H, K / P) float64, g (B, L, H, P) float64, and ``bonus``
     β (B, L, H) float64."""
-    options = call.options
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: RWKV7Attention with packed sequences (cu_seqlens); pass a padded "
-                                  "batch with attention_mask instead.")
-    mask = call.attention_mask
-    h = masked_tokens(call.hidden_states, mask)
+    options, mask = call.options, call.attention_mask
+    h, delta = shifted_input(mixer, call)
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_dim, mixer.head_v_dim
-    delta = F.pad(h, (0, 0, 1, -1)) - h  # token_shift: h_{t−1} − h_t, zero before the first token
     mixed = {name: torch.addcmul(h, delta, getattr(mixer, f"x_{name}")) for name in "rwkvag"}
     r = run(mixer.r_proj, mixed["r"]).double()
     w = LOG_DECAY_SCALE * torch.sigmoid(run(mixer.w_lora, mixed["w"]).double())

@@ -137,10 +137,26 @@ FUNCTION_SWAPS = (
 
 def _import_fla(name: str):
     """Import an fla module without fla's "Triton is not supported on current platform, roll back to CPU" warning
-    (emitted on import where there is no GPU): on a CPU the library runs fla's functions in torch."""
+    (emitted on import where there is no GPU: on a CPU the library runs fla's functions in torch), and without fla's
+    configs left over transformers' own model types (:func:`import_fla_models`: ``import fla`` imports its models)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-        return importlib.import_module(name)
+        warnings.filterwarnings("ignore", message="Flash Attention is not installed", category=ImportWarning)
+        module = importlib.import_module(name)
+    _give_back_transformers_model_types()
+    return module
+
+
+def _give_back_transformers_model_types() -> None:
+    """Remove every registration of an fla config over one of transformers' own model types (fla 0.6 registers its
+    ``mamba``, ``mamba2`` and ``bitnet`` under transformers' names)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    extra, builtin = getattr(CONFIG_MAPPING, "_extra_content", None), getattr(CONFIG_MAPPING, "_mapping", {})
+    if extra is not None:
+        for key in [k for k, config in extra.items()
+                    if k in builtin and getattr(config, "__module__", "").startswith("fla.")]:
+            del extra[key]
 
 
 def fla_available() -> bool:
@@ -159,24 +175,12 @@ def has_fla_modules(model) -> bool:
 
 def import_fla_models():
     """Import ``fla.models`` (which registers fla's model types with transformers' Auto classes) without letting it
-    take over transformers' own model types: fla 0.6 registers its own ``mamba`` and ``mamba2`` configs under
-    transformers' names, after which ``AutoConfig`` would read a transformers Mamba checkpoint as fla's. The entries
-    this import put over transformers' own model types are removed again (an earlier import by the caller is left as
-    it is). Returns the module."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    extra = getattr(CONFIG_MAPPING, "_extra_content", None)
-    before = None if extra is None else dict(extra)
-    already = "fla.models" in sys.modules
-    module = _import_fla("fla.models")
-    if extra is not None and not already:
-        builtin = getattr(CONFIG_MAPPING, "_mapping", {})
-        for key in [k for k in extra if k in builtin and (k not in before or before[k] is not extra[k])]:
-            if key in before:
-                extra[key] = before[key]
-            else:
-                del extra[key]
-    return module
+    take over transformers' own model types: fla 0.6 registers its ``mamba``, ``mamba2`` and ``bitnet`` configs under
+    transformers' names (on ``import fla`` already, which transformers' own KDA and gated-delta-rule files do when fla
+    is installed), after which ``AutoConfig`` reads a transformers Mamba checkpoint as fla's. Every registration of
+    an fla config over one of transformers' own model types is removed (fla's classes stay usable by name:
+    ``fla.models.MambaForCausalLM``). Returns the module."""
+    return _import_fla("fla.models")
 
 
 def refused_swaps() -> dict[str, list[str]]:

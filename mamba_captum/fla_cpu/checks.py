@@ -73,7 +73,51 @@ def _hgrn(generator):
     return both, dict(both)
 
 
+class _HeadFirst:
+    """A reference taking (B, H, T, ·) tensors, called with fla's (B, T, H, ·) op layout: its output transposed back."""
+
+    def __init__(self, reference, names):
+        self.reference, self.names = reference, names
+
+    def __call__(self, **kwargs):
+        moved = {n: (v.transpose(1, 2).contiguous() if n in self.names else v) for n, v in kwargs.items()}
+        o, state = self.reference(**moved)
+        return o.transpose(1, 2), state
+
+
+def _dplr(generator):
+    q, k, v = _randn(generator, 2, 12, 2, 4), _randn(generator, 2, 12, 2, 4), _randn(generator, 2, 12, 2, 3)
+    kk = _randn(generator, 2, 12, 2, 4)
+    kk = kk / kk.norm(dim=-1, keepdim=True)
+    a, b = -kk, kk * torch.rand(2, 12, 2, 4, generator=generator)
+    g, state = _log_decay(generator, 2, 12, 2, 4), _randn(generator, 2, 2, 4, 3)
+    ours = dict(q=q, k=k, v=v, a=a, b=b, gk=g, initial_state=state, output_final_state=True)
+    # fla's dplr_recurrence: (B, H, T, ·) tensors, alpha / beta for a / b, the scale K^-1/2 fixed
+    return ours, dict(q=q, k=k, v=v, alpha=a, beta=b, gk=g, initial_state=state, output_final_state=True)
+
+
+def _rwkv7(generator):
+    ours, reference = _dplr(generator)
+    ours = dict(r=ours["q"] * 2.0, w=ours["gk"], k=ours["k"], v=ours["v"], a=ours["a"], b=ours["b"],
+                scale=0.25, initial_state=ours["initial_state"], output_final_state=True)  # 2 · 0.25 = 4^-1/2
+    return ours, reference
+
+
+def _rwkv6(generator):
+    q, k, v = _randn(generator, 2, 12, 2, 4), _randn(generator, 2, 12, 2, 4), _randn(generator, 2, 12, 2, 3)
+    w, u, state = _log_decay(generator, 2, 12, 2, 4), _randn(generator, 2, 4), _randn(generator, 2, 2, 4, 3)
+    return (dict(r=q, k=k, v=v, w=w, u=u, initial_state=state, output_final_state=True),
+            dict(q=q, k=k, v=v, w=w, u=u, initial_state=state, output_final_state=True))
+
+
+_DPLR_REFERENCE = ("fla.ops.generalized_delta_rule.dplr.naive:dplr_recurrence",
+                   ("q", "k", "v", "alpha", "beta", "gk"))
+_RWKV6_REFERENCE = ("fla.ops.rwkv6.recurrent_naive:naive_recurrent_rwkv6", ("q", "k", "v", "w"))
+
 PROBES = {
+    "fla.ops.generalized_delta_rule.dplr.chunk.chunk_dplr_delta_rule": (_DPLR_REFERENCE, _dplr),
+    "fla.ops.rwkv7.chunk.chunk_rwkv7": (_DPLR_REFERENCE, _rwkv7),
+    "fla.ops.rwkv6.chunk.chunk_rwkv6": (_RWKV6_REFERENCE, _rwkv6),
     "fla.ops.gla.chunk.chunk_gla": ("fla.ops.gla.naive:naive_recurrent_gla", _gla),
     "fla.ops.gla.fused_recurrent.fused_recurrent_gla": ("fla.ops.gla.naive:naive_recurrent_gla", _gla_recurrent),
     "fla.ops.simple_gla.chunk.chunk_simple_gla": ("fla.ops.simple_gla.naive:naive_recurrent_simple_gla",
@@ -97,11 +141,16 @@ def probe_difference(key: str, replacement) -> float | None:
     if key not in PROBES:
         return None
     where, build = PROBES[key]
+    head_first = None
+    if isinstance(where, tuple):  # a reference with (B, H, T, ·) tensors: these argument names moved
+        where, head_first = where
     module, _, name = where.partition(":")
     try:
         reference = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError):
         return None
+    if head_first is not None:
+        reference = _HeadFirst(reference, head_first)
     ours_kwargs, reference_kwargs = build(torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = replacement(**ours_kwargs)
