@@ -66,13 +66,18 @@ def group_norm(x, weight, bias, residual=None, eps=1e-5, prenorm=False, residual
     return (y, res_out) if prenorm else y
 
 
+def _then_linear(normed, prenorm, weight, bias):
+    """A fused norm's output (and with ``prenorm`` its residual sum) -> ``F.linear`` of it in the weight's dtype."""
+    y, res_out = normed if prenorm else (normed, None)
+    out = F.linear(y.to(weight.dtype), weight, bias)
+    return (out, res_out) if prenorm else out
+
+
 def layer_norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-5, prenorm=False,
                       residual_in_fp32=False, is_rms_norm=False, num_groups=1):
     """fla.modules.norm.layernorm.layer_norm_linear: the norm, then ``F.linear`` in the norm's output dtype."""
     normed = group_norm(x, norm_weight, norm_bias, residual, eps, prenorm, residual_in_fp32, is_rms_norm, num_groups)
-    y, res_out = normed if prenorm else (normed, None)
-    out = F.linear(y.to(linear_weight.dtype), linear_weight, linear_bias)
-    return (out, res_out) if prenorm else out
+    return _then_linear(normed, prenorm, linear_weight, linear_bias)
 
 
 def rms_norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, residual=None, eps=1e-5, prenorm=False,
@@ -121,18 +126,14 @@ def layer_norm_swish_gate_linear(x, g, norm_weight, norm_bias, linear_weight, li
                                  prenorm=False, residual_in_fp32=False, eps=1e-6):
     """fla.modules.norm.fused_norm_gate.layer_norm_swish_gate_linear: the swish-gated LayerNorm, then the linear."""
     normed = layer_norm_gated(x, g, norm_weight, norm_bias, "swish", residual, prenorm, residual_in_fp32, eps)
-    y, res_out = normed if prenorm else (normed, None)
-    out = F.linear(y.to(linear_weight.dtype), linear_weight, linear_bias)
-    return (out, res_out) if prenorm else out
+    return _then_linear(normed, prenorm, linear_weight, linear_bias)
 
 
 def rms_norm_swish_gate_linear(x, g, norm_weight, norm_bias, linear_weight, linear_bias, residual=None,
                                prenorm=False, residual_in_fp32=False, eps=1e-6):
     """fla.modules.norm.fused_norm_gate.rms_norm_swish_gate_linear."""
     normed = rms_norm_gated(x, g, norm_weight, norm_bias, "swish", residual, prenorm, residual_in_fp32, eps)
-    y, res_out = normed if prenorm else (normed, None)
-    out = F.linear(y.to(linear_weight.dtype), linear_weight, linear_bias)
-    return (out, res_out) if prenorm else out
+    return _then_linear(normed, prenorm, linear_weight, linear_bias)
 
 
 def l2norm(x, eps=1e-6, output_dtype=None):
