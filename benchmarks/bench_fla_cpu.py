@@ -41,7 +41,9 @@ def fla_naive_dplr(q, k, v, a, b, log_decay, *, scale=None, initial_state=None, 
     from fla.ops.generalized_delta_rule.dplr.naive import dplr_recurrence
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q = q * (scale / q.shape[-1] ** -0.5)
-    return dplr_recurrence(q, k, v, a, b, log_decay, initial_state, output_final_state)
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v, a, b, log_decay)]  # its (B, H, T, ·) layout
+    o, state = dplr_recurrence(*heads_first, initial_state, output_final_state)
+    return o.transpose(1, 2), state
 
 
 @contextlib.contextmanager

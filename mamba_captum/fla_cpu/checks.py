@@ -158,17 +158,27 @@ def probe_difference(key: str, replacement) -> float | None:
     return max(_relative(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None)
 
 
+_verdicts: dict = {}  # (swap key, replacement) -> passed: each probe runs once per process
+
+
 def check_swaps(swaps) -> list:
-    """The swaps that pass their probe (or have none); each failing one warns with :class:`FlaSwapMismatchWarning`."""
+    """The swaps that pass their probe (or have none); each failing one warns with :class:`FlaSwapMismatchWarning`.
+    A probe runs on the first installation of the process that needs it (its verdict is kept)."""
     kept = []
     for swap in swaps:
+        verdict = _verdicts.get((swap.key, swap.replacement))
+        if verdict is not None:
+            if verdict:
+                kept.append(swap)
+            continue
         try:
             difference = probe_difference(swap.key, swap.replacement)
         except Exception as error:  # noqa: BLE001 (a reference that cannot run this probe: the swap cannot be vouched for)
             difference, detail = float("inf"), f"{type(error).__name__}: {error}"
         else:
             detail = None
-        if difference is None or difference <= TOLERANCE:
+        passed = _verdicts[(swap.key, swap.replacement)] = difference is None or difference <= TOLERANCE
+        if passed:
             kept.append(swap)
             continue
         warnings.warn(
