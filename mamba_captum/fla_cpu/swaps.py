@@ -132,29 +132,41 @@ def fla_backed(value) -> bool:
     return False
 
 
-def _patch_holders(dispatchers: dict, changed: list, seen: set) -> None:
-    """Replace every original of ``dispatchers`` (identity -> dispatcher) held by fla's loaded modules not yet in
-    ``seen`` (their globals, and their upper-case dicts such as ``ACT2FN``), recording each change in ``changed``."""
+def _positions(name: str, namespace: dict, dispatchers: dict) -> list:
+    """Where a loaded module holds one of fla's swapped functions: (container, key) pairs in its globals and its
+    upper-case dicts (``ACT2FN``), or, in transformers' model files, its wrappers of fla's kernels."""
+    if name.startswith("transformers."):
+        return [(namespace, key) for key, value in list(namespace.items()) if fla_backed(value)]
+    found = []
+    for key, value in list(namespace.items()):
+        if callable(value) and _identity(value) in dispatchers:
+            found.append((namespace, key))
+        elif isinstance(value, dict) and key.isupper():
+            found.extend((value, k) for k, v in list(value.items()) if callable(v) and _identity(v) in dispatchers)
+    return found
+
+
+def _patch_holders(dispatchers: dict, changed: list, seen: set, position_cache: dict) -> None:
+    """Replace every original of ``dispatchers`` (identity -> dispatcher) held by the loaded modules not yet in
+    ``seen`` (fla's, and transformers' wrappers of fla's kernels, which get their own torch body), recording each
+    change in ``changed``. ``position_cache``: module name -> its holders' positions, kept by the :class:`SwapSet`
+    so that a module's namespace is read once, not at every installation (the library installs the swaps around
+    each of its calls once fla is imported)."""
     for name, module in _fla_modules():
         if name in seen:
             continue
         seen.add(name)
-        namespace = vars(module)
-        if name.startswith("transformers."):  # transformers' wrappers of fla's kernels: their own torch body on CPU
-            for key, value in list(namespace.items()):
-                if fla_backed(value):
-                    changed.append((namespace, key, value))
-                    namespace[key] = _dispatcher(value, value.__wrapped__)
-            continue
-        for key, value in list(namespace.items()):
-            if callable(value) and _identity(value) in dispatchers:
-                changed.append((namespace, key, value))
-                namespace[key] = dispatchers[_identity(value)]
-            elif isinstance(value, dict) and key.isupper():
-                for k, v in list(value.items()):
-                    if callable(v) and _identity(v) in dispatchers:
-                        changed.append((value, k, v))
-                        value[k] = dispatchers[_identity(v)]
+        positions = position_cache.get(name)
+        if positions is None:
+            positions = position_cache[name] = _positions(name, vars(module), dispatchers)
+        for container, key in positions:
+            value = container.get(key)
+            if name.startswith("transformers.") and fla_backed(value):
+                changed.append((container, key, value))
+                container[key] = _dispatcher(value, value.__wrapped__)
+            elif callable(value) and _identity(value) in dispatchers:
+                changed.append((container, key, value))
+                container[key] = dispatchers[_identity(value)]
 
 
 def _resolve(swap: FlaSwap):
@@ -170,8 +182,8 @@ def _resolve(swap: FlaSwap):
 class _Installed:
     """What one installation changed, and how to reach the fla modules loaded after it."""
 
-    def __init__(self, swaps):
-        self.dispatchers, self.changed, self.seen = {}, [], set()
+    def __init__(self, swaps, position_cache: dict):
+        self.dispatchers, self.changed, self.seen, self.position_cache = {}, [], set(), position_cache
         for swap in swaps:
             owner, name, original = _resolve(swap)
             original = getattr(original, "__mamba_captum_original__", original)
@@ -185,7 +197,7 @@ class _Installed:
 
     def refresh(self):
         if len(self.seen) != len(_fla_modules()):
-            _patch_holders(self.dispatchers, self.changed, self.seen)
+            _patch_holders(self.dispatchers, self.changed, self.seen, self.position_cache)
 
 
 def _uninstall(installed: _Installed):
@@ -217,12 +229,16 @@ class SwapSet:
     def __init__(self, swaps_factory: Callable[[], list[FlaSwap]]):
         self._factory = swaps_factory
         self.refused: dict[str, list[str]] = {}
+        self._good: list | None = None
+        self._positions: dict = {}  # module name -> where it holds a swapped function (_patch_holders)
         self._patch = SharedPatch(self._install, _uninstall)
 
     def _install(self):
-        good, self.refused = usable(self._factory())
-        good = check_swaps(good)
-        self._installed = _Installed(good)
+        if self._good is None:  # signatures and probes: once per process (fla's functions do not change under it)
+            good, self.refused = usable(self._factory())
+            self._good = check_swaps(good)
+        good = self._good
+        self._installed = _Installed(good, self._positions)
         return self._installed
 
     @contextlib.contextmanager
