@@ -202,11 +202,14 @@ def test_dispatch_settings_and_restoration(monkeypatch):
         ssd_maps(**{k: v.to(DEVICE) for k, v in ssd.items()}, reduce="abs_mean")  # as the blocked kernel refuses
 
 
-# The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU. Two layers (a Mamba
-# layer, an attention layer with the MoE block) run the same kernels once; the 4-layer model is the heavy repetition.
-ENGINE_MODELS = [*(pytest.param(family, {}, id=family) for family in ("mamba", "mamba2", "rwkv", "recurrent_gemma")),
+# The interpreter's cost is per Mamba layer: the tiny Jamba's 3 Mamba layers take 12 s of CPU, the tiny Mamba-2's two
+# layers 110 s. One Mamba layer (Jamba: a Mamba layer, an attention layer with the MoE block) runs the same kernels
+# once; the full tiny models are the heavy repetition.
+ENGINE_MODELS = [*(pytest.param(family, dict(num_hidden_layers=1), id=family) for family in ("mamba", "mamba2")),
+                 *(pytest.param(family, {}, id=family) for family in ("rwkv", "recurrent_gemma")),
                  pytest.param("jamba", dict(num_hidden_layers=2, attn_layer_offset=1), id="jamba"),
-                 pytest.param("jamba", {}, id="jamba-4_layers", marks=pytest.mark.heavy)]
+                 *(pytest.param(family, {}, id=f"{family}-all_layers", marks=pytest.mark.heavy)
+                   for family in ("mamba", "mamba2", "jamba"))]
 
 
 @pytest.mark.parametrize("family,size", ENGINE_MODELS)
