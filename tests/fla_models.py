@@ -221,6 +221,73 @@ FLA_SPECS.update({
 })
 
 
+# -- the preconditioned delta rules: PrecondGatedDeltaNet, PrecondKDA (tests/test_fla_precond.py) ---------------------
+def _kernel_normalised_naive(module):
+    """fla's naive precond module with its L2 norm (``F.normalize``: eps 1e-12 outside the root) made the kernels'
+    (eps 1e-6 inside the root, what the layer's kernels and the fla_on_cpu swaps run), while entered."""
+    from types import SimpleNamespace
+    from unittest import mock
+    return mock.patch.object(module, "F", SimpleNamespace(normalize=lambda x, p, dim: _kernel_l2(x)))
+
+
+def precond_gated_delta_rule_impulse(kwargs):
+    """α (B, HV, T, T) of fla's preconditioned gated delta rule: ``naive_recurrent_precond_gated_delta_rule`` (the
+    kernels' L2 norm, see :func:`_kernel_normalised_naive`) on one-hot values, zero states."""
+    import fla.ops.precond_gated_delta_rule.naive as naive
+    assert kwargs.get("use_qk_l2norm_in_kernel", True), "fla's naive reference always normalises q and k"
+    t = {name: kwargs[name].double() for name in ("q", "k", "g", "g_atk", "beta", "beta_atk")}
+    batch, length = t["q"].shape[:2]
+    with _kernel_normalised_naive(naive):
+        out, _, _ = _fla_naive_float64(naive.naive_recurrent_precond_gated_delta_rule, t["q"], t["k"],
+                                       one_hot_values(batch, length, kwargs["v"].shape[2]), t["g_atk"], t["g"],
+                                       t["beta_atk"], t["beta"], scale=kwargs.get("scale"), x=kwargs["x"],
+                                       eps=kwargs["eps"], log_atk_scale=kwargs["log_atk_scale"].double())
+    return out.double().permute(0, 2, 1, 3)
+
+
+def precond_kda_impulse(kwargs):
+    """α (B, HV, T, T) of fla's preconditioned KDA: ``naive_recurrent_precond_kda`` (which takes q, k as the kernel
+    uses them: L2-normalised here, eps inside the root; key heads repeated) on one-hot values, zero states."""
+    from fla.ops.precond_kda.naive import naive_recurrent_precond_kda
+    assert not kwargs.get("use_gate_in_kernel"), "PrecondKDA computes its gate before the op"
+    t = _delta_inputs(dict(kwargs, use_qk_l2norm_in_kernel=True), "q", "k", "g", "g_atk", "beta", "beta_atk")
+    batch, length, heads, _ = t["q"].shape
+    out, _, _ = _fla_naive_float64(naive_recurrent_precond_kda, t["q"], t["k"], one_hot_values(batch, length, heads),
+                                   t["g"], t["g_atk"], t["beta_atk"], t["beta"], scale=kwargs.get("scale"),
+                                   x=kwargs["x"], eps=kwargs["eps"], log_atk_scale=kwargs["log_atk_scale"].double())
+    return out.double().permute(0, 2, 1, 3)
+
+
+_PRECOND_GDN_OPS = ("fused_recurrent_precond_gated_delta_rule", "chunk_precond_gated_delta_rule")
+FLA_SPECS.update({
+    # two value heads per key head (GVA)
+    "precond_gated_deltanet": dict(config=("PrecondGatedDeltaNetConfig",
+                                           common_config(num_heads=2, num_v_heads=4, head_dim=8, expand_v=1.0)),
+                                   values="v_proj", ops=_PRECOND_GDN_OPS, impulse=precond_gated_delta_rule_impulse,
+                                   value_key="v"),
+    # no output gate, no convs, β in (0, 2), a wider squash range
+    "precond_gated_deltanet_variant": dict(config=("PrecondGatedDeltaNetConfig",
+                                                   common_config(num_heads=2, head_dim=8, expand_v=2.0,
+                                                                 use_gate=False, use_short_conv=False,
+                                                                 allow_neg_eigval=True, squash_x=2.0,
+                                                                 log_atk_scale_init=-1.0)),
+                                           values="v_proj", ops=_PRECOND_GDN_OPS,
+                                           impulse=precond_gated_delta_rule_impulse, value_key="v"),
+    # PrecondKDA: two value heads per key head (the layer repeats q and k; the preconditioner per value head)
+    "precond_kda": dict(config=("PrecondKDAConfig", common_config(num_heads=2, num_v_heads=4, head_dim=8,
+                                                                  expand_v=1.0)),
+                        values="v_proj", ops=("fused_recurrent_precond_kda", "chunk_precond_kda"),
+                        impulse=precond_kda_impulse, value_key="v"),
+    # the safe gate (lower_bound · σ(exp(A_log) (f + dt_bias))), no convs, β in (0, 2)
+    "precond_kda_variant": dict(config=("PrecondKDAConfig", common_config(num_heads=2, head_dim=8, expand_v=1.0,
+                                                                          safe_gate=True, lower_bound=-5.0,
+                                                                          use_short_conv=False,
+                                                                          allow_neg_eigval=True)),
+                                values="v_proj", ops=("fused_recurrent_precond_kda", "chunk_precond_kda"),
+                                impulse=precond_kda_impulse, value_key="v"),
+})
+
+
 def make_fla_model(name: str, dtype=torch.float32, seed: int = 0):
     """The tiny model ``name`` of :data:`FLA_SPECS` (eval mode), its projections scaled up so that every factor of
     the operator matters (fla's init gives tiny gates)."""

@@ -49,6 +49,10 @@ README_INTRO_NAMES = {
     "fla_delta_net": ["DeltaNet"], "fla_gated_deltanet": ["gated DeltaNet"], "fla_kda": ["fla's KDA"],
     "fla_comba": ["Comba"], "fla_gated_deltaproduct": ["Gated DeltaProduct"], "fla_rwkv7": ["RWKV-7"],
     "fla_rwkv6": ["RWKV-6"], "fla_mamba": ["fla's Mamba"], "fla_mamba2": ["Mamba-2 layers"],
+    "fla_precond_gated_deltanet": ["preconditioned gated DeltaNet"], "fla_precond_kda": ["DeltaNet and KDA"],
+    "fla_gsa": ["gated slot attention (GSA)"], "fla_abc": ["ABC"], "fla_raven": ["Raven"], "fla_rodimus": ["Rodimus"],
+    "fla_mom": ["MoM"], "fla_mesa_net": ["MesaNet"], "fla_cyfa": ["cyclic flow attention"],
+    "fla_log_linear_mamba2": ["log-linear Mamba-2"],
 }
 
 

@@ -25,12 +25,24 @@ CHECKPOINTS = {
     "gated_deltanet": ("GatedDeltaNetConfig", dict(num_heads=2, head_dim=16)),
     "kda": ("KDAConfig", dict(num_heads=2, head_dim=16)),
     "comba": ("CombaConfig", dict(num_heads=2, head_dim=16)),
+    "precond_gated_deltanet": ("PrecondGatedDeltaNetConfig", dict(num_heads=2, head_dim=16)),
+    "precond_kda": ("PrecondKDAConfig", dict(num_heads=2, head_dim=16)),
     "gated_deltaproduct": ("GatedDeltaProductConfig", dict(num_heads=2, head_dim=16)),
     "rwkv6": ("RWKV6Config", dict(num_heads=2, proj_low_rank_dim=8, gate_low_rank_dim=8)),
     "rwkv7": ("RWKV7Config", dict(head_dim=16, decay_low_rank_dim=8, gate_low_rank_dim=8, a_low_rank_dim=8,
                                   v_low_rank_dim=8)),
     "mamba": ("MambaConfig", dict(state_size=8)),
     "mamba2": ("Mamba2Config", dict(head_dim=16, state_size=8, chunk_size=8)),
+    "mom": ("MomConfig", dict(num_heads=2, head_dim=16, num_memories=2, topk=1)),
+    "log_linear_mamba2": ("LogLinearMamba2Config", dict(head_dim=16, state_size=8)),
+    # without Rodimus+'s sliding-window softmax attention; fla's block needs block_residual_in_fp32 with the default
+    # residual_in_fp32 for more than one layer
+    "rodimus": ("RodimusConfig", dict(block_type="rodimus", expand_ratio=8, block_residual_in_fp32=True)),
+    "abc": ("ABCConfig", dict(num_heads=2, num_slots=4)),
+    "gsa": ("GSAConfig", dict(num_heads=2, num_slots=4)),
+    "raven": ("RavenConfig", dict(num_heads=2, num_slots=4, topk=2)),
+    "cyclic_flow_attention": ("CyclicFlowAttentionConfig", dict(num_heads=2, head_dim=16, num_slots=8)),
+    "mesa_net": ("MesaNetConfig", dict(num_heads=2, head_dim=16)),
 }
 
 

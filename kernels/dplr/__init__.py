@@ -34,10 +34,17 @@ pass (r, w, k, v, a, b) to the DPLR ops unchanged (``gk = w``, natural-log decay
 
 Inputs: q, k, a, b, log_decay (B, L, H, K); v (B, L, H, V); initial_state (B, H, K, V). Outputs o (B, L, H, V),
 final_state (B, H, K, V) or None.
+
+The preconditioned delta rules (``fla.ops.precond_gated_delta_rule``, ``fla.ops.precond_kda``) are this rule with
+a = D_t k, b = −β k̃ and the written key β k̃ (``precond.py``): :func:`atk_preconditioned_keys` (k̃ from the
+"ATK" diagonal state), :func:`precond_dplr_inputs`, :func:`precond_rule_inputs` (both), and :func:`l2_normalised`,
+fla's in-kernel L2 norm of q and k.
 """
 from __future__ import annotations
 
 from .chunked import dplr_alpha, dplr_alpha_rows, dplr_chunked
 from .naive import dplr_recurrent
+from .precond import atk_preconditioned_keys, l2_normalised, precond_dplr_inputs, precond_rule_inputs
 
-__all__ = ["dplr_alpha", "dplr_alpha_rows", "dplr_chunked", "dplr_recurrent"]
+__all__ = ["atk_preconditioned_keys", "dplr_alpha", "dplr_alpha_rows", "dplr_chunked", "dplr_recurrent",
+           "l2_normalised", "precond_dplr_inputs", "precond_rule_inputs"]

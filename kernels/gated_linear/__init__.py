@@ -35,10 +35,19 @@ Functions (all return ``(o, final_state)``, final_state None unless ``output_fin
   exponent ≤ 0; float32 accumulation at least; differentiable through autograd.
 - :func:`gated_linear_alpha`, :func:`gated_linear_alpha_rows`: α (B, H, L, L), or chosen rows (H, R, L) of one
   batch element blocked by columns (no L × L × K tensor).
+
+Slot attention over these kernels (slots.py; fla's gated slot attention (GSA, Raven) and ABC):
+
+- :func:`slot_scores`, :func:`slot_read_weights`: the key-memory read of M slots (B, T, H, M), one GLA head per slot,
+  and its softmax over the slots.
+- :func:`additive_gate`, :func:`abc_slot_gates`: the cumulative (log-sum-exp) normalisation of slot logits into write
+  weights and log decays (fla's ``fused_additive_gate``; ABC's slot gates).
 """
 from __future__ import annotations
 
 from .chunked import gated_linear_alpha, gated_linear_alpha_rows, gated_linear_chunked
 from .naive import gated_linear_recurrent
+from .slots import abc_slot_gates, additive_gate, slot_read_weights, slot_scores
 
-__all__ = ["gated_linear_alpha", "gated_linear_alpha_rows", "gated_linear_chunked", "gated_linear_recurrent"]
+__all__ = ["abc_slot_gates", "additive_gate", "gated_linear_alpha", "gated_linear_alpha_rows", "gated_linear_chunked",
+           "gated_linear_recurrent", "slot_read_weights", "slot_scores"]

@@ -29,7 +29,8 @@ import importlib
 import sys
 import warnings
 
-from . import modules, ops, ops_delta_family, ops_gla_family, ops_rwkv
+from . import (modules, ops, ops_abc, ops_cyfa, ops_delta_family, ops_gla_family, ops_gsa, ops_log_linear,
+               ops_mesa_net, ops_precond, ops_rwkv)
 from .swaps import (FlaSwap, FlaSwapError, FunctionSwap, SwapSet, install_function_swap, signature_gap, usable,
                     wants_torch)
 
@@ -67,6 +68,8 @@ _MODULE_SWAPS = {
     "fla.modules.fused_cross_entropy.ops": ("cross_entropy_loss",),
 }
 _OP_SWAPS = {
+    "fla.ops.cyfa.chunk": ("chunk_cyfa",),
+    "fla.ops.cyfa.fused_recurrent": ("fused_recurrent_cyfa",),
     "fla.ops.gla.chunk": ("chunk_gla",),
     "fla.ops.gla.fused_chunk": ("fused_chunk_gla",),
     "fla.ops.gla.fused_recurrent": ("fused_recurrent_gla",),
@@ -100,11 +103,28 @@ _OP_SWAPS = {
     # linear attention's normaliser and LightNet's (and GSA's) additive gate (ops_gla_family)
     "fla.ops.linear_attn.utils": ("normalize_with_z_state",),
     "fla.ops.gsa.gate": ("fused_additive_gate",),
+    # gated slot attention (GSA, Raven): two GLA passes with a softmax over the slots (ops_gsa)
+    "fla.ops.gsa.chunk": ("chunk_gsa",),
+    "fla.ops.gsa.fused_recurrent": ("fused_recurrent_gsa",),
+    # ABC: gated slot attention with its slot gates from the normalised slot logits (ops_abc)
+    "fla.ops.abc.chunk": ("chunk_abc",),
+    # the preconditioned delta rules (ops_precond)
+    "fla.ops.precond_gated_delta_rule.chunk": ("chunk_precond_gated_delta_rule",),
+    "fla.ops.precond_gated_delta_rule.fused_recurrent": ("fused_recurrent_precond_gated_delta_rule",),
+    "fla.ops.precond_kda.chunk": ("chunk_precond_kda",),
+    "fla.ops.precond_kda.fused_recurrent": ("fused_recurrent_precond_kda",),
+    "fla.ops.kda.gate": ("fused_kda_gate",),
+    # MesaNet: two gated states read through a fixed-step conjugate-gradient solve (ops_mesa_net)
+    "fla.ops.mesa_net.chunk": ("chunk_mesa_net",),
+    "fla.ops.mesa_net.decoding_one_step": ("mesa_net_decoding_one_step",),
+    # log-linear attention (LogLinearMamba2), Fenwick level weights over a Mamba-2 core (ops_log_linear)
+    "fla.ops.log_linear_attn.chunk": ("chunk_log_linear_attn",),
 }
 
 
 # the modules holding the torch versions of _OP_SWAPS' functions, searched in order for each name
-_OP_MODULES = (ops, ops_rwkv, ops_gla_family, ops_delta_family)
+_OP_MODULES = (ops, ops_rwkv, ops_gla_family, ops_delta_family, ops_precond, ops_gsa, ops_abc, ops_mesa_net, ops_cyfa,
+               ops_log_linear)
 
 
 def _op_version(name: str):
@@ -120,6 +140,9 @@ def _swaps() -> list[FlaSwap]:
     found += [FlaSwap(module, name, _op_version(name)) for module, names in _OP_SWAPS.items() for name in names]
     found.append(FlaSwap("fla.modules.fused_cross_entropy.ops", "FusedCrossEntropyLoss.forward",
                          fused_cross_entropy_forward))
+    # LogLinearMamba2's forward raises NotImplementedError off CUDA: its own CUDA path with a torch conv (ops_log_linear)
+    found.append(FlaSwap("fla.layers.log_linear_mamba2", "LogLinearMamba2.forward",
+                         ops_log_linear.log_linear_mamba2_forward))
     return found
 
 

@@ -10,7 +10,7 @@ Comba (``chunk_comba`` / ``fused_recurrent_comba``, as fla's kernels and ``naive
 (the read with p uses the state before the decay), o_t = scale · S_tᵀ q_t. That is the diagonal-plus-low-rank rule
 of :mod:`mamba_captum.kernels.dplr` (S_t = D_t S_{t−1} + b_t (a_tᵀ S_{t−1}) + k'_t v_tᵀ) with D_t = exp(g_t) I,
 a = p, b = −β k and k' = β k. With ``use_qk_l2norm_in_kernel`` q, k and p are each L2-normalised (eps 1e-6 inside the
-root, as fla's kernels).
+root, as fla's kernels: :func:`mamba_captum.kernels.dplr.l2_normalised`).
 
 Gated DeltaProduct (``chunk_gated_delta_product``): k, v, β have n = ``num_householder`` rows per token (T·n rows);
 per token S ← exp(g_t) S, then n delta-rule updates S ← S + β_{t,j} k_{t,j} (v_{t,j} − Sᵀ k_{t,j})ᵀ, then
@@ -23,14 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels.delta_rule import delta_rule_chunked_states
-from ..kernels.dplr.chunked import dplr_chunked
+from ..kernels.dplr import dplr_chunked, l2_normalised
 from .ops import per_sequence, refuse
-
-
-def l2_normalised(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(Σ x² + 1e-6) over the last dim, computed in float32 (float64 for float64 x): fla's in-kernel L2 norm."""
-    work = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (work * torch.rsqrt(work.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def comba_dplr_inputs(q, k, p, g, beta):

@@ -2,7 +2,7 @@
 :mod:`.ops`: linear attention's normaliser (``fla.ops.linear_attn.utils.normalize_with_z_state``, taken by
 ``chunk_linear_attn`` / ``fused_chunk_linear_attn`` / ``fused_recurrent_linear_attn`` with ``normalize=True``; their
 unnormalised part already runs through the simple-GLA swaps) and the additive gate of LightNet and GSA
-(``fla.ops.gsa.gate.fused_additive_gate``).
+(``fla.ops.gsa.gate.fused_additive_gate``, over :func:`mamba_captum.kernels.gated_linear.additive_gate`).
 
 Each has its fla function's signature and fla's layout (x, q, k: (B, T, H, K); packed sequences through
 ``cu_seqlens`` with B = 1), and computes in float32 at least (float64 for float64 inputs), differentiable through
@@ -11,6 +11,8 @@ autograd.
 from __future__ import annotations
 
 import torch
+
+from ..kernels.gated_linear import additive_gate
 
 
 def _work(x: torch.Tensor) -> torch.dtype:
@@ -72,21 +74,14 @@ def fused_additive_gate(x, initial_state=None, cu_seqlens=None, output_dtype=Non
         raise ValueError("Packed inputs with cu_seqlens must have batch size 1.")
     work = _work(x)
     keys, gates, finals = [], [], []
-    bounds = _bounds(cu_seqlens, x.shape[1])
-    for n, (start, end) in enumerate(bounds):
-        piece = x[:, start:end].to(work)
-        if initial_state is None:
-            start_state = piece.new_full((piece.shape[0], 1, *piece.shape[2:]), float("-inf"))
-        else:
+    for n, (start, end) in enumerate(_bounds(cu_seqlens, x.shape[1])):
+        start_state = None
+        if initial_state is not None:
             start_state = initial_state[n:n + 1] if cu_seqlens is not None else initial_state
-            start_state = start_state.to(work)
-        z = torch.logaddexp(torch.logcumsumexp(piece, dim=1), start_state) if piece.shape[1] else piece
-        previous = torch.cat([start_state, z[:, :-1]], dim=1)
-        fresh = torch.isneginf(previous)
-        keys.append((piece - z).exp())
-        # the difference is formed only where z_{t−1} is finite (a −∞ would give the gradient a NaN)
-        gates.append(torch.where(fresh, torch.zeros_like(z), previous.masked_fill(fresh, 0.0) - z))
-        finals.append(z[:, -1:] if piece.shape[1] else start_state)
+        weights, log_decay, final = additive_gate(x[:, start:end].to(work), start_state)
+        keys.append(weights)
+        gates.append(log_decay)
+        finals.append(final)
     k = torch.cat(keys, dim=1).to(output_dtype or x.dtype)
     g = torch.cat(gates, dim=1).to(gate_dtype or x.dtype)
     final_state = torch.cat(finals, dim=0).to(torch.float64 if x.dtype == torch.float64 else torch.float32)

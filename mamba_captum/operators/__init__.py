@@ -21,9 +21,12 @@ The package, one module per kind of operator:
   (:class:`SSDOperator`);
 - ``decay``: diagonal-decay recurrences, RWKV-4 and Griffin (:class:`DecayOperator`);
 - ``softmax``: softmax attention (:class:`SoftmaxOperator`);
-- ``heads``: one core per head (:class:`HeadOperator`) and its cores (delta rule, gated scores, dense);
+- ``heads``: one core per head (:class:`HeadOperator`) and its cores (delta rule, gated scores, gated linear, DPLR,
+  dense, a gated core beside a band);
 - ``composite``: operators of operators (:class:`SumOperator`, :class:`ChannelBlocksOperator`,
-  :class:`ComposedOperator`).
+  :class:`ComposedOperator`);
+- ``routed``: a sum of per-memory operators over routed sub-sequences (:class:`RoutedMemoriesOperator`,
+  :class:`RoutedCore`).
 
 The banded maps and the convolutions (``banded_maps``, ``band_entries``, ``causal_band``, ...) are kernels,
 :mod:`mamba_captum.kernels.bands`, re-exported here with every operator.
@@ -36,12 +39,14 @@ from .common import masked_tokens, operator_output_grad
 from .composite import ChannelBlocksOperator, ComposedOperator, SumOperator
 from .decay import DecayOperator
 from .heads import (DeltaProductCore, DeltaRuleCore, DenseCore, DPLRCore, GatedLinearCore, GatedScoresCore,
-                    HeadOperator, gate_norm_rows)
+                    HeadOperator, ParallelBandCore, gate_norm_rows)
+from .routed import RoutedCore, RoutedMemoriesOperator, gather_slots, scatter_slots
 from .selective import BidirectionalOperator, SelectiveOperator, SSDOperator
 from .softmax import SoftmaxOperator
 
 __all__ = ["REDUCTIONS", "BidirectionalOperator", "ChannelBlocksOperator", "ComposedOperator", "DecayOperator",
            "DPLRCore", "DeltaProductCore", "DeltaRuleCore", "DenseCore", "GatedLinearCore", "GatedScoresCore",
-           "HeadOperator", "SSDOperator", "SelectiveOperator", "SoftmaxOperator", "SumOperator", "band_entries",
-           "banded_maps", "causal_band", "causal_neighbours", "gate_norm_rows", "masked_tokens",
-           "operator_output_grad", "reduce_channels", "skip_taps", "sparse_conv"]
+           "HeadOperator", "ParallelBandCore", "RoutedCore", "RoutedMemoriesOperator", "SSDOperator",
+           "SelectiveOperator", "SoftmaxOperator", "SumOperator",
+           "band_entries", "banded_maps", "causal_band", "causal_neighbours", "gate_norm_rows", "gather_slots",
+           "masked_tokens", "operator_output_grad", "reduce_channels", "scatter_slots", "skip_taps", "sparse_conv"]

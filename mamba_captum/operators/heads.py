@@ -1,7 +1,8 @@
 """One core per head, weighted per channel (:class:`HeadOperator`, through :mod:`mamba_captum.kernels.heads`), and
 its cores: the delta rule and KDA, decayed linear attention (lightning attention, mLSTM; GLA-style per-channel decays:
-:class:`GatedLinearCore`), softmax probabilities with
-convolved values. Without a core it is a band (LFM2's short conv, LFM3-VL's vision conv)."""
+:class:`GatedLinearCore`), the DPLR rule, softmax probabilities with convolved values, and one core per channel of a
+gated single-head core beside a causal band (:class:`ParallelBandCore`, Rodimus). Without a core it is a band (LFM2's
+short conv, LFM3-VL's vision conv)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -161,6 +162,49 @@ class DenseCore(_Core):
 
     def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
         return self.probs[b][:, rows]
+
+
+@dataclass
+class ParallelBandCore(_Core):
+    """One core per value channel (C "heads" of one channel): ``α · diag(σ(i_c)) + band_c``, a single-head gated
+    linear core weighted per channel by the input gate, plus a causal band beside it (Rodimus' SiLU-conv path).
+
+    alpha: the single-head core (:class:`GatedLinearCore`, H = 1), or None for α = I (the core switched off).
+    input_gate: (B, L, C) the column weight of the core's path. band: (B, L, C, T) the band's entries
+    ``band[b, i, c, τ] = band_c[i, i − τ]`` (:func:`band_entries`), or None.
+    """
+
+    alpha: GatedLinearCore | None
+    input_gate: torch.Tensor
+    band: torch.Tensor | None
+    CAST = ("input_gate", "band")
+
+    def to(self, dtype: torch.dtype):
+        cast = lambda t: None if t is None else t.detach().to(dtype)  # noqa: E731
+        return replace(self, alpha=None if self.alpha is None else self.alpha.to(dtype),
+                       input_gate=cast(self.input_gate), band=cast(self.band))
+
+    def full(self) -> torch.Tensor:
+        """The whole core, (B, C, L, L)."""
+        batch, length = self.input_gate.shape[:2]
+        rows = torch.arange(length, device=self.input_gate.device)
+        return torch.stack([self.rows(b, rows) for b in range(batch)])
+
+    def rows(self, b: int, rows: torch.Tensor) -> torch.Tensor:
+        """(C, R, L): rows ``rows`` of every channel's core of batch element b."""
+        gate = self.input_gate[b].T  # (C, L)
+        rows = torch.as_tensor(rows, device=gate.device)
+        picked = torch.arange(len(rows), device=gate.device)
+        if self.alpha is None:
+            out = gate.new_zeros(gate.shape[0], len(rows), gate.shape[1])
+            out[:, picked, rows] = gate[:, rows]
+        else:
+            out = self.alpha.rows(b, rows).to(gate.dtype) * gate[:, None, :]  # (1, R, L) · (C, 1, L)
+        if self.band is not None:
+            for tau in range(self.band.shape[-1]):
+                reach = rows >= tau
+                out[:, picked[reach], rows[reach] - tau] += self.band[b, rows[reach], :, tau].T.to(out.dtype)
+        return out
 
 
 def gate_norm_rows(components, gate, norm_scale):
