@@ -191,9 +191,10 @@ class ConservationLedger:
 
         return tuple(watch(a) for a in args), {k: watch(v) for k, v in kwargs.items()}
 
-    def watch_output(self, unit: ConservedUnit, output: torch.Tensor) -> None:
+    def watch_output(self, unit: ConservedUnit, output: torch.Tensor, slot: int = 0) -> None:
+        """The replaced computation's output ``slot`` (0: its main output; a rule may replace several)."""
         if output.requires_grad:
-            output.register_hook(functools.partial(self._on_grad, unit, ("out", 0), output.detach(),
+            output.register_hook(functools.partial(self._on_grad, unit, ("out", slot), output.detach(),
                                                    output._version))
 
     def watch_linear(self, bias: torch.Tensor, output: torch.Tensor) -> None:

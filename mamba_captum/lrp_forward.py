@@ -129,12 +129,20 @@ class LRPForward(contextlib.AbstractContextManager):
             else:
                 rule = planned.rule(module, args, kwargs, real, self.work_dtype)
                 layer_input = args[0] if args else None
-        self._check(f"{name} ({type(module).__name__}) under MambaLRP's rules", real, rule.detach(), module=module,
-                    layer_input=layer_input)
-        self.ledger.watch_output(unit, rule)
+        # a rule of a module with several outputs gives a tuple, replacing as many of them (fla's fused-residual
+        # norm: (norm(x + residual), x + residual)); each is checked and watched
+        rule, *extras = rule if isinstance(rule, tuple) else (rule,)
+        for index, value in enumerate((rule, *extras)):
+            self._check(f"{name} ({type(module).__name__}) under MambaLRP's rules"
+                        f"{f', output {index}' if index else ''}", output[index] if index else real, value.detach(),
+                        module=module, layer_input=layer_input)
+            self.ledger.watch_output(unit, value, slot=index)
         self.calls[id(planned)] = self.calls.get(id(planned), 0) + 1
         replaced = rule.to(real.dtype)
-        return (replaced, *output[1:]) if isinstance(output, tuple) else replaced
+        if not isinstance(output, tuple):
+            return replaced
+        extras = tuple(value.to(output[index].dtype) for index, value in enumerate(extras, 1))
+        return (replaced, *extras, *output[1 + len(extras):])
 
     def _on_out_proj(self, module_id, module, args, output):
         if self._mine():

@@ -36,14 +36,13 @@ import torch.nn.functional as F
 
 from ..kernels.delta_rule import delta_rule_output_chunked
 from ..operators import DeltaRuleCore, masked_tokens
+from ..rules import silu_rule
 from .common import run
-from .fla_heads import head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, short_conv
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("DeltaNet",)
 INNER_MIXERS = {"DeltaNet": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's DeltaNet has none yet (its "
-                   "fla norms and gates need their own)")
 
 
 def checked_input(call, formulation: str):
@@ -140,6 +139,48 @@ def delta_operator(call, formulation, components, work_dtype, *, mixer, core, va
                          value_pre=value_pre, conv_pre=act_pre, taps=taps)
 
 
+def delta_lrp(call, work_dtype, *, core, gated: bool, heads: int, head_dim: int) -> torch.Tensor:
+    """A delta-rule layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function
+    of ``call.hidden_states``: v_proj and the value conv linear (a bias a constant; the pads' values zeroed before
+    the conv, as fla's packed conv sees them), the values' SiLU by the identity rule, the core α (q, k, β, the decays:
+    ``core``, detached) and the norm's ν detached, the gate act(g_proj h) (with ``gated``; act from the gated norm's
+    ``activation``) by the identity and half rules (swish) or :func:`mamba_captum.rules.sigmoid_gate`. heads,
+    head_dim: HV and P. (B, L, D), float64."""
+    mixer = call.located.module
+    h = checked_input(call, "lrp")
+    value = masked_tokens(run(mixer.v_proj, h).to(work_dtype), call.attention_mask)
+    pre = short_conv(mixer.v_conv1d, value, work_dtype)[0] if mixer.use_short_conv else value
+    values = silu_rule(pre).reshape(*pre.shape[:2], heads, head_dim)
+    gate_input = run(mixer.g_proj, h) if gated else None
+    activation = getattr(mixer.o_norm, "activation", "swish") if gated else None
+    return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
+                    norm=mixer.o_norm, out_proj=mixer.o_proj, heads=heads, head_dim=head_dim)
+
+
+def _core(mixer, h, q, k, work_dtype):
+    """DeltaNet's core (no decay; q, k through ``qk_activation`` / ``qk_norm`` as the kernel gets them)."""
+    batch, length, _ = h.shape
+    heads, key_dim = mixer.num_heads, mixer.head_k_dim
+    with torch.no_grad():
+        q, k = (_feature_map(mixer, x.reshape(batch, length, heads, key_dim)).flatten(2) for x in (q, k))
+        beta = write_strength(mixer, h)
+        no_decay = torch.zeros(batch, length, heads, dtype=torch.float64, device=h.device)
+        if mixer.qk_norm == "l2":
+            return delta_rule_inputs(q, k, beta, no_decay, heads, key_dim, work_dtype)
+        per_head = lambda t: t.to(work_dtype).reshape(batch, length, heads, key_dim)  # noqa: E731
+        return DeltaRuleCore(per_head(q) * key_dim ** -0.5, per_head(k), beta.to(work_dtype), no_decay)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`delta_lrp`; q, k and β detached in the core). (B, L, D),
+    float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp", qk_silu=call.located.module.qk_activation == "silu")
+        core = _core(mixer, h, q, k, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=mixer.use_gate, heads=mixer.num_heads,
+                     head_dim=mixer.head_v_dim)
+
+
 def _feature_map(mixer, x):
     """DeltaNet's ``qk_activation`` after the convs (silu is the convs' own) and its ``qk_norm='sum'``."""
     activation = mixer.qk_activation
@@ -162,17 +203,8 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     """
     mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation,
                                                                 qk_silu=call.located.module.qk_activation == "silu")
-    batch, length, _ = h.shape
-    heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
-    with torch.no_grad():
-        q, k = (_feature_map(mixer, x.reshape(batch, length, heads, key_dim)).flatten(2) for x in (q, k))
-        beta = write_strength(mixer, h)
-        no_decay = torch.zeros(batch, length, heads, dtype=torch.float64, device=h.device)
-        if mixer.qk_norm == "l2":
-            core = delta_rule_inputs(q, k, beta, no_decay, heads, key_dim, work_dtype)
-        else:  # normalised above; the kernel only scales q
-            per_head = lambda t: t.to(work_dtype).reshape(batch, length, heads, key_dim)  # noqa: E731
-            core = DeltaRuleCore(per_head(q) * key_dim ** -0.5, per_head(k), beta.to(work_dtype), no_decay)
+    heads, value_dim = mixer.num_heads, mixer.head_v_dim
+    core = _core(mixer, h, q, k, work_dtype)
     gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=heads, head_dim=value_dim)

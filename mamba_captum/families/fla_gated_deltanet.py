@@ -26,12 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("GatedDeltaNet",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's GatedDeltaNet has none yet (its "
-                   "fla norms and gates need their own)")
 INNER_MIXERS = {"GatedDeltaNet": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -60,3 +58,15 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=value_heads, head_dim=value_dim)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp`: q, k, β and the decay g detached
+    in the core, the values' SiLU by the identity rule, ν detached, the gate by its rule). (B, L, D), float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp")
+        beta = write_strength(mixer, h)
+        log_decay = head_log_decay(run(mixer.a_proj, h), mixer.A_log, mixer.dt_bias)
+        core = delta_rule_inputs(q, k, beta, log_decay, mixer.num_v_heads, mixer.head_k_dim, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=mixer.use_gate, heads=mixer.num_v_heads,
+                     head_dim=mixer.head_v_dim)

@@ -18,13 +18,12 @@ import torch.nn.functional as F
 
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, masked_tokens
+from ..rules import silu_rule
 from .common import run
-from .fla_heads import head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, short_conv
 
 MIXER_CLASSES = ("GatedLinearAttention",)
 INNER_MIXERS = {"GatedLinearAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's GLA has none yet (its "
-                   "feature maps and gated norms need their own)")
 
 
 def _projected(mixer, h, name, conv_name, dtype=None):
@@ -48,6 +47,62 @@ def _gate_function(mixer):
     raise NotImplementedError(f"mamba_captum: GLA's output gate {mixer.gate_fn!r} is not a known activation.")
 
 
+def _head_values(mixer, v):
+    """v (B, L, H_kv·P) -> (B, L, H, P), the key / value heads repeated for the query heads as fla does."""
+    return v.reshape(*v.shape[:2], -1, mixer.head_v_dim).repeat_interleave(mixer.num_kv_groups, dim=2)
+
+
+def _core(mixer, h, mask, work_dtype):
+    """(the :class:`GatedLinearCore` of the layer's op, gk (B, L, H, K) float64), detached: q, k after their convs
+    (keys zeroed at the pads: fla drops pads, and a conv bias would give them keys), key heads repeated, the feature
+    map; gk = logsigmoid(gk_proj h) / normaliser, clamped."""
+    batch, length, _ = h.shape
+    key_dim, groups = mixer.head_k_dim, mixer.num_kv_groups
+    with torch.no_grad():
+        q = _projected(mixer, h, "q_proj", "q_conv1d")[2]
+        k = masked_tokens(_projected(mixer, h, "k_proj", "k_conv1d")[2], mask)
+        gk = F.logsigmoid(run(mixer.gk_proj, h).double()) / mixer.gate_logit_normalizer
+        if mixer.clamp_min is not None:
+            gk = torch.clamp_min(gk, mixer.clamp_min)
+        split = lambda t: t.reshape(batch, length, -1, key_dim)  # noqa: E731
+        q = split(q)
+        k, gk = (split(t).repeat_interleave(groups, dim=2) for t in (k, gk))
+        if mixer.feature_map_fn is not None:
+            q, k = mixer.feature_map_fn(q), mixer.feature_map_fn(k)
+        core = GatedLinearCore(q.to(work_dtype), k.to(work_dtype), gk, key_dim ** -0.5)
+    return core, gk
+
+
+def _checked_input(call):
+    """The layer's input h (B, L, D), pads zeroed, after refusing packed sequences."""
+    if call.options.get("cu_seqlens") is not None:
+        raise NotImplementedError("mamba_captum: a GLA layer called on packed sequences (cu_seqlens); pass a padded "
+                                  "batch with attention_mask instead.")
+    return masked_tokens(call.hidden_states, call.attention_mask)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules, a differentiable function of ``call.hidden_states``: the
+    projections and the value conv linear (its bias a constant), the conv's SiLU by the identity rule (σ(pre)
+    detached), the core α (q, k, the decays: the layer's selection) detached, the RMS norm's ν detached, the output
+    gate swish(g) by the identity and half rules (a sigmoid gate: :func:`mamba_captum.rules.sigmoid_gate`).
+    (B, L, D), float64."""
+    mixer = call.located.module
+    h = _checked_input(call)
+    core, _ = _core(mixer, h, call.attention_mask, work_dtype)
+    value = run(mixer.v_proj, h).to(work_dtype)
+    if mixer.use_short_conv:
+        value = silu_rule(short_conv(mixer.v_conv1d, value, work_dtype)[0])
+    values = _head_values(mixer, masked_tokens(value, call.attention_mask))
+    gate_input, activation = None, None
+    if mixer.use_output_gate:
+        gate_input = run(mixer.g_proj, h)
+        activation = "swish" if _gate_function(mixer) is F.silu else "sigmoid"
+    norm = mixer.g_norm_swish_gate if mixer.use_output_gate and mixer.fuse_norm_and_gate else mixer.g_norm
+    return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
+                    norm=norm, out_proj=mixer.o_proj, heads=mixer.num_heads, head_dim=mixer.head_v_dim)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -58,34 +113,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if mixer.use_short_conv and mixer.v_conv1d.bias is not None and formulation == "unified":
         raise NotImplementedError("mamba_captum: the unified operator of a GLA layer whose value conv has a bias is "
                                   "not linear in the values; use formulation='hidden'.")
-    h = masked_tokens(call.hidden_states, call.attention_mask)
+    h = _checked_input(call)
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
-    if call.options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: a GLA layer called on packed sequences (cu_seqlens); pass a padded "
-                                  "batch with attention_mask instead.")
-    _, _, q = _projected(mixer, h, "q_proj", "q_conv1d")
-    _, _, k = _projected(mixer, h, "k_proj", "k_conv1d")
     value_pre, conv_pre, v = _projected(mixer, h, "v_proj", "v_conv1d")
-    if call.attention_mask is not None:  # fla drops pads; a conv bias would give them keys and values: zero them
-        keep = call.attention_mask.to(k.dtype)[:, :, None]
-        k, v = k * keep, v * keep
-    gk = F.logsigmoid(run(mixer.gk_proj, h).double()) / mixer.gate_logit_normalizer
-    if mixer.clamp_min is not None:
-        gk = torch.clamp_min(gk, mixer.clamp_min)
-    groups = mixer.num_kv_groups
-    split = lambda t, d: t.reshape(batch, length, -1, d)  # noqa: E731
-    q = split(q, key_dim)
-    k, gk = (split(t, key_dim).repeat_interleave(groups, dim=2) for t in (k, gk))
-    v = split(v, value_dim).repeat_interleave(groups, dim=2)
-    if groups > 1 and formulation == "unified" and mixer.use_short_conv:
+    v = _head_values(mixer, masked_tokens(v, call.attention_mask))
+    if mixer.num_kv_groups > 1 and formulation == "unified" and mixer.use_short_conv:
         raise NotImplementedError("mamba_captum: the unified operator of a GLA layer with num_kv_heads < num_heads and "
                                   "a value conv; use formulation='hidden'.")
-    if mixer.feature_map_fn is not None:
-        q, k = mixer.feature_map_fn(q), mixer.feature_map_fn(k)
+    core, gk = _core(mixer, h, call.attention_mask, work_dtype)
     scale = key_dim ** -0.5
-    with torch.no_grad():
-        core = GatedLinearCore(q.detach().to(work_dtype), k.detach().to(work_dtype), gk.detach(), scale)
     values = v.to(work_dtype)
     output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), gk, scale=scale)
     if mixer.use_output_gate:

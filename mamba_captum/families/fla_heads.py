@@ -15,8 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from types import SimpleNamespace
+
 from ..operators import HeadOperator, gate_norm_rows
 from .common import linear_readout, run
+from .gated_deltanet import core_output, output_gate
 
 
 def short_conv(conv, x: torch.Tensor, dtype: torch.dtype | None = None):
@@ -107,3 +110,35 @@ def head_operator(call, formulation, components, work_dtype, *, core, heads: int
                             values=per_head(w(value_pre)) if value_pre is not None else w(values),
                             output=w(inner), readout=lambda out: readout_proj(out.reshape(batch, length, -1)))
     return operator, rebuilt
+
+
+def head_lrp(call, work_dtype, *, core, values, gate_input, gate_activation: str | None, norm, out_proj,
+             heads: int, head_dim: int, norm_over_width: bool = False, norm_eps: float | None = None,
+             zero_pads: bool = True):
+    """The output ``out_proj(ν(o) ⊙ act(z) ⊙ o)``, ``o = α v`` per head, of a layer as :func:`head_operator` reads
+    it, under MambaLRP's rules: the core α detached (``core_output``), ν detached, the gate by ``output_gate`` (SiLU:
+    the identity and half rules; a sigmoid: :func:`mamba_captum.rules.sigmoid_gate`), so the output is linear in
+    ``values`` and ``gate_input``.
+
+    Args:
+        core: the core α (B, H, L, L) through ``core.full()``.
+        values: (B, L, H, P) the core's values under the rules (differentiable, in ``work_dtype``).
+        gate_input: (B, L, H·P) or (B, L, H, P) the gate's pre-activation z (differentiable), or None (no gate).
+        gate_activation: "swish" / "silu" or "sigmoid" (None without a gate). norm: the RMS norm (ν by
+            :func:`rms_scale`), or None. norm_over_width, norm_eps, zero_pads: as :func:`head_operator`.
+    Returns:
+        (B, L, D) float64.
+    """
+    batch, length = values.shape[:2]
+    output = core_output(core, values)
+    # ν from the un-gated o (the norm acts before the gate), detached
+    nu = None if norm is None else rms_scale(norm, output.detach(), over_width=norm_over_width, eps=norm_eps)
+    if gate_input is not None:
+        gate_input = gate_input.to(work_dtype).reshape(batch, length, heads, head_dim)
+        output = output_gate(SimpleNamespace(activation=gate_activation), gate_input, output)
+    if nu is not None:
+        output = output * nu.to(output.dtype)
+    out = linear_readout(out_proj)(output.reshape(batch, length, -1).double())
+    if call.attention_mask is not None and zero_pads:
+        out = out * call.attention_mask.to(out.dtype)[:, :, None]
+    return out

@@ -27,12 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("KimiDeltaAttention",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's KimiDeltaAttention has none "
-                   "yet (its fla norms and gates need their own)")
 INNER_MIXERS = {"KimiDeltaAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -66,3 +64,17 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     gate, norm = output_gate(mixer, h, True, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=value_heads, head_dim=value_dim)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp`: q, k, β and the per-channel
+    decays detached in the core, the values' SiLU by the identity rule, ν detached, the sigmoid gate by
+    :func:`mamba_captum.rules.sigmoid_gate`). (B, L, D), float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp")
+        value_heads, key_dim = mixer.num_v_heads, mixer.head_k_dim
+        beta = write_strength(mixer, h)
+        raw = run(mixer.f_proj, h).reshape(*h.shape[:2], value_heads, key_dim)
+        log_decay = channel_log_decay(raw, mixer.A_log, mixer.dt_bias, mixer.lower_bound)
+        core = delta_rule_inputs(q, k, beta, log_decay, value_heads, key_dim, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=True, heads=value_heads, head_dim=mixer.head_v_dim)

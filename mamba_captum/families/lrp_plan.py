@@ -80,7 +80,15 @@ LINEAR_CONTAINERS = {
     # Zamba (v1): the shared attention block reads the stream concatenated with the embeddings
     "ZambaForCausalLM", "ZambaModel", "ZambaHybridLayer", "ZambaMambaDecoderLayer", "ZambaAttentionDecoderLayer",
     "ZambaAttention",
+    # flash-linear-attention 0.6.0 (FLAModel / FLAForCausalLM forwards, KDA's own head forward the same): embeddings,
+    # blocks, the final norm and the head; each block is norm → mixer → fused-residual norm → GatedMLP → residual
+    # (fla's RMSNorm and GatedMLP have rules; the blocks' attention residuals are refused, FLA_REFUSED)
+    *(f"{prefix}{suffix}" for prefix in ("GLA", "GatedDeltaNet", "DeltaNet", "KDA")
+      for suffix in ("ForCausalLM", "Model", "Block")),
 }
+# fla containers whose configuration adds a non-linear step to their own forward: attribute -> why it is refused
+FLA_REFUSED = {"use_attnres": "attention residuals (attnres_block_size: a softmax over earlier blocks' outputs, "
+                              "fused_attnres) have no MambaLRP rule"}
 
 # Modules that compute no relevance path: rotary embeddings read their input's dtype and device only; routers give
 # the routing weights (detached by the experts' rule) and the experts' indices.
@@ -109,6 +117,28 @@ def layer_norm(module, args, kwargs, output, work_dtype):
     x = _input(args, kwargs, "input")
     return rules.layer_norm_rule(x.to(work_dtype), module.weight, module.bias, module.eps,
                                  dims=len(module.normalized_shape))
+
+
+def fla_rms_norm(module, args, kwargs, output, work_dtype):
+    """fla's ``RMSNorm(x, residual=None, prenorm=False, residual_in_fp32=False)``: the norm of ``s = x + residual``
+    (the fused residual sum, linear) with the normaliser detached (:func:`rms_norm`); with ``prenorm`` the module
+    returns ``(norm(s), s)`` and so does the rule."""
+    names = ("x", "residual", "prenorm")
+    x, residual, prenorm = (args[i] if len(args) > i else kwargs.get(name) for i, name in enumerate(names))
+    summed = x.to(work_dtype) if residual is None else x.to(work_dtype) + residual.to(work_dtype)
+    y = rms_norm(module, (summed,), {}, output, work_dtype)  # output: the main one, norm(s)
+    # the sum passed on as a tensor of its own: the ledger reads the relevance that reaches it from downstream only
+    return (y, summed.view_as(summed)) if prenorm else y
+
+
+def fla_gated_mlp(module, args, kwargs, output, work_dtype):
+    """fla's ``GatedMLP`` ``down(swish(gate(x)) ⊙ up(x))`` (fused or not): the identity and half rules, as
+    :func:`glu_mlp`; its ``powlu`` activation has no rule here (refused by :func:`lrp_plan`)."""
+    x = _input(args, kwargs, "x").to(work_dtype)
+    gate = F.linear(x, module.gate_proj.weight.to(work_dtype), _bias(module.gate_proj, work_dtype))
+    up = F.linear(x, module.up_proj.weight.to(work_dtype), _bias(module.up_proj, work_dtype))
+    inner = rules.half_product(rules.silu_rule(gate), up)
+    return F.linear(inner, module.down_proj.weight.to(work_dtype), _bias(module.down_proj, work_dtype))
 
 
 def _activation_rule(act_fn, x):
@@ -284,6 +314,9 @@ RULES = {
     "ZambaMLP": glu_mlp,
 }
 
+# flash-linear-attention's modules (by class name, defined in fla.*)
+FLA_RULES = {"RMSNorm": fla_rms_norm, "GatedMLP": fla_gated_mlp}
+
 # (container class, child attribute): a child whose output only feeds a sigmoid gate (and the softmax's detached
 # queries) inside the container's own forward; planned with :func:`signal_gate_input`
 SIGNAL_GATE_INPUTS = {("Qwen3_5Attention", "q_proj"), ("Lfm3Attention", "g_proj"), ("Qwen3NextAttention", "q_proj"),
@@ -294,6 +327,8 @@ SIGNAL_GATE_INPUTS = {("Qwen3_5Attention", "q_proj"), ("Lfm3Attention", "g_proj"
 def rule_for(module: nn.Module):
     """The rule of a module, or None."""
     name = type(module).__name__
+    if type(module).__module__.startswith("fla.") and name in FLA_RULES:  # fla's own RMSNorm, not torch's
+        return FLA_RULES[name]
     if name in RULES:
         return RULES[name]
     if type(module).forward is nn.LayerNorm.forward:
@@ -361,6 +396,9 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
         if rule is experts and _check_experts(module) is not None:
             raise NotImplementedError(f"mamba_captum: MambaLRP's experts rule does not fit {type(module).__name__} "
                                       f"({path}): {_check_experts(module)}.")
+        if rule is fla_gated_mlp and module.hidden_act != "swish":
+            raise NotImplementedError(f"mamba_captum: MambaLRP has no rule for fla's GatedMLP ({path}) with "
+                                      f"hidden_act {module.hidden_act!r}.")
         if rule is not None:
             planned.append(PlannedRule(module, path, rule))
             return
@@ -373,6 +411,11 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
                 f"{f', model type {model_type!r}' if model_type else ''}): its forward is not known to be linear, so "
                 "the relevance would not be conserved through it. The covered models are listed in "
                 "docs/methods/lrp.md.")
+        for attribute, why in FLA_REFUSED.items():
+            if getattr(module, attribute, False) is True:
+                raise NotImplementedError(
+                    f"mamba_captum: MambaLRP cannot explain {name} ({path or 'the model'}"
+                    f"{f', model type {model_type!r}' if model_type else ''}): {why}.")
         cap_name = SOFT_CAPPED_HEADS.get(name)
         if cap_name and getattr(module.config, cap_name, None):
             planned.append(PlannedRule(module, path, soft_cap=float(getattr(module.config, cap_name)),
