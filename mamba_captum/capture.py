@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention_capture import ATTENTION_PATCH, AttentionCall, attention_call, open_captures
 from .families import LocatedMixer
+from .shared_state import library_hook
 
 
 @dataclass
@@ -100,7 +101,7 @@ def _trampoline(capture, method: str, *bound):
             return None
         return getattr(owner, method)(*bound, module, *args)
 
-    return hook
+    return library_hook(hook)
 
 
 def _forget(module: nn.Module, hook) -> None:

@@ -33,6 +33,7 @@ from .families import softmax
 from .families.lrp_plan import PlannedRule
 from .offload import loaded_weights
 from .rules import ratio
+from .shared_state import library_hook
 from .verification import check_reconstruction
 
 
@@ -220,7 +221,7 @@ class LRPForward(contextlib.AbstractContextManager):
         def hook(*args):
             return fn(*bound, *args)
 
-        self._handles.append(register(hook, **options))
+        self._handles.append(register(library_hook(hook), **options))
 
     def __enter__(self):
         self._thread = threading.get_ident()

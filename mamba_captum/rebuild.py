@@ -143,10 +143,19 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
                     consumed_error = None
                 # a mixer around softmax attention is compared on its real rows, as the attention is: what fully masked
                 # (pad) query rows give depends on the attention implementation's convention
-                ssm_error = check_reconstruction(
-                    f"layer {index} ({located.name}, {type(located.module).__name__})", call.output, rebuilt, dtype,
-                    None if consumed_error is None else token_mask, module=located.module,
-                    layer_input=call.hidden_states, model=model)
+                try:
+                    ssm_error = check_reconstruction(
+                        f"layer {index} ({located.name}, {type(located.module).__name__})", call.output, rebuilt,
+                        dtype, None if consumed_error is None else token_mask, module=located.module,
+                        layer_input=call.hidden_states, model=model)
+                except ReconstructionError as error:
+                    if not _has_gap(call.attention_mask):
+                        raise
+                    raise ReconstructionError(
+                        f"{error} The attention_mask has a gap (a 0 between real tokens of a row), which is the likely "
+                        "cause: a layer that packs a padded batch into sequences (flash-linear-attention's) drops the "
+                        "gap instead of running a zeroed token there. Pad at the start or the end of each row only."
+                    ) from error
                 if consumed_error is not None:
                     ssm_error = max(ssm_error, consumed_error)  # the probabilities were checked too
                 if located.follows is not None:
@@ -189,6 +198,17 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
                     check_maps(f"layer {key} ({name})", operator, dtype, token_mask, call.located.module)
                 yield key, operator, error, grads
                 del operator
+
+
+def _has_gap(mask) -> bool:
+    """Whether a (B, L) 0/1 mask has a 0 between two 1s in some row (padding inside the text, not at its ends)."""
+    if mask is None:
+        return False
+    real = mask.bool()
+    positions = torch.arange(real.shape[-1], device=real.device)
+    first = torch.where(real, positions, real.shape[-1]).min(-1).values
+    last = torch.where(real, positions, -1).max(-1).values
+    return bool((real.sum(-1) < last - first + 1).any())
 
 
 def _check_hooked(name: str, call, dtype: torch.dtype):

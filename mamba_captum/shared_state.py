@@ -50,3 +50,18 @@ def thread_state(name: str, default_factory):
     if name not in values:
         values[name] = default_factory()
     return values[name]
+
+
+_LIBRARY_HOOK = "__mamba_captum_hook__"
+
+
+def library_hook(hook):
+    """Mark ``hook`` as one of the engine's own module hooks (its captures, MambaLRP's forward), so that the checks
+    that look for the user's hooks on a layer (:func:`is_library_hook`) pass it over. Returns ``hook``."""
+    setattr(hook, _LIBRARY_HOOK, True)
+    return hook
+
+
+def is_library_hook(hook) -> bool:
+    """Whether ``hook`` was registered by the engine (:func:`library_hook`)."""
+    return bool(getattr(hook, _LIBRARY_HOOK, False))

@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from .checks import NonFiniteError, nonfinite_parameters
+from .shared_state import is_library_hook
 
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
 # what the library guarantees for y = H x (README, docs/robustness.md). Real mismatches (a variant the adapter does
@@ -25,9 +26,10 @@ class ReconstructionError(RuntimeError):
 
 
 def user_hooked(module) -> list[str]:
-    """Submodules of a token mixer that carry forward hooks (the library removes its own before rebuilding)."""
+    """Submodules of a token mixer that carry the user's forward hooks (the engine's own are passed over)."""
     return [name or type(module).__name__ for name, sub in module.named_modules()
-            if sub._forward_hooks or sub._forward_pre_hooks]
+            if any(not is_library_hook(hook) for hook in (*sub._forward_hooks.values(),
+                                                          *sub._forward_pre_hooks.values()))]
 
 
 def check_reconstruction(name: str, real: torch.Tensor, rebuilt: torch.Tensor, dtype: torch.dtype, rows_mask=None, *,

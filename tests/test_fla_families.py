@@ -101,3 +101,18 @@ def test_the_library_enters_fla_on_cpu_by_itself():
     thread.join()
     assert outcome["plain forward"] != "ran"
     assert set(outcome["maps"]) == {0, 1} and outcome["maps"][0].shape == (2, 10, 10)
+
+
+def test_a_gap_in_the_mask_is_named_and_the_librarys_own_hooks_are_not_blamed():
+    """fla packs a padded batch into sequences, so a 0 between real tokens is dropped, not run as a zeroed token: the
+    rebuild cannot follow it and says why (and not that the user's hooks might: the capture's own are not theirs)."""
+    from mamba_captum.verification import ReconstructionError
+
+    model = make_fla_model("gla", torch.float64)
+    ids, _ = padded_batch(length=10)
+    mask = torch.ones_like(ids)
+    mask[0, 4] = 0
+    with pytest.raises(ReconstructionError, match="has a gap") as error:
+        mc.implicit_attention(model, ids, attention_mask=mask)
+    assert "hooks" not in str(error.value)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

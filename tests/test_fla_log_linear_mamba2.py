@@ -137,6 +137,11 @@ def test_what_the_torch_versions_cannot_honour_is_refused_by_name():
     x, weight = torch.randn(1, 4, 6), torch.randn(4, 3)
     with pytest.raises(NotImplementedError, match="seq_idx"):
         ops_log_linear._causal_conv1d(x, weight, seq_idx=torch.zeros(1, 6, dtype=torch.int32))
+    model = make_model("log_linear_mamba2")
+    for mixer in fla_mixers(model):
+        mixer.chunk_size = 32  # fla's own scan refuses it with a bare NotImplementedError
+    with mc.fla_on_cpu(), pytest.raises(NotImplementedError, match="chunk_size=32"):
+        model(torch.randint(3, VOCAB, (1, 8)), use_cache=False)
 
 
 # -- the model on a CPU -----------------------------------------------------------------------------------------------

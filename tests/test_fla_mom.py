@@ -11,7 +11,7 @@ import fla.layers.mom as fla_mom_layer
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import (OpRecorder, assert_batch_equals_single_examples, common_config, delta_rule_impulse,
+from fla_models import (VOCAB, OpRecorder, assert_batch_equals_single_examples, common_config, delta_rule_impulse,
                         fla_mixers, fla_models, padded_batch, scale_up_mixer_weights)
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
@@ -184,10 +184,32 @@ def stable_argsort(self, dim=-1, descending=False, stable=False):
     return torch.sort(self, dim=dim, descending=descending, stable=True).indices
 
 
-def test_the_rebuild_orders_each_memory_as_fla_sorts_it():
-    """fla's ``transform`` orders each memory's tokens by ``argsort`` of (row, memory) keys, which torch's CPU sort
-    need not keep in token order (then the layer itself differs between a batch and its rows alone): the rebuild's
-    sub-sequences are fla's, slot for slot, and its operators reproduce the layer."""
+def test_fla_on_cpu_lays_out_each_memory_in_token_order_as_fla_would_with_a_stable_sort(monkeypatch):
+    """fla's ``transform`` with a stable ``argsort`` and the library's torch version give the same layout, and each
+    memory's tokens come in token order (fla's own CPU sort need not: test_the_layer_is_causal_inside_fla_on_cpu)."""
+    from mamba_captum.fla_cpu.ops_mom import transform
+    generator = torch.Generator().manual_seed(3)
+    batch, length, memories, topk = 3, 40, 4, 2
+    x = torch.randn(batch, length, 5, generator=generator, dtype=torch.float64)
+    selected = torch.stack([torch.randperm(memories, generator=generator)[:topk] for _ in range(batch * length)])
+    selected = selected.reshape(batch, length, topk)
+    routing_mask = torch.zeros(batch, length, memories, dtype=torch.int).scatter(2, selected, 1)  # as fla builds it
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[0, :5] = False
+    ours = transform(x, routing_mask.clone(), memories, selected, mask)
+    monkeypatch.setattr(torch.Tensor, "argsort", stable_argsort)
+    theirs = fla_mom_layer.transform(x, routing_mask.clone(), memories, selected, mask)
+    for got, want in zip(ours, theirs):
+        assert torch.equal(torch.as_tensor(got), torch.as_tensor(want))
+    order = ours[2] // topk  # the token of each sorted copy
+    keys = torch.arange(batch).repeat_interleave(length * topk)[ours[2]] * memories + selected.reshape(-1)[ours[2]]
+    same_run = keys[1:] == keys[:-1]
+    assert (order[1:][same_run] > order[:-1][same_run]).all()
+
+
+def test_the_rebuild_orders_each_memory_as_the_layer_runs_it():
+    """The rebuild's sub-sequences are the layer's (inside fla_on_cpu: each memory's tokens in token order), slot for
+    slot, and its operators reproduce the layer."""
     from mamba_captum.families.fla_mom import routing
     model = make_model("mom", num_hidden_layers=1)
     ids, mask = padded_batch(length=12)
@@ -205,6 +227,7 @@ def test_the_rebuild_orders_each_memory_as_fla_sorts_it():
         for b in range(ids.shape[0]):
             kept = positions[b] >= 0
             assert positions[b][kept].tolist() == tokens[b, m][0].tolist()
+            assert positions[b][kept].tolist() == sorted(positions[b][kept].tolist())
             assert choices[b][kept].tolist() == tokens[b, m][1].tolist()
     for formulation in ("unified", "hidden"):
         errors = mc.build_operators(model, ids, mask, formulation=formulation)[2]
@@ -212,12 +235,23 @@ def test_the_rebuild_orders_each_memory_as_fla_sorts_it():
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_with_a_stable_sort_batch_equals_single_examples_and_left_padding_equals_none(name, monkeypatch):
-    """With the sort fla's layout intends (stable: each memory's tokens in token order), the batch is its rows."""
-    monkeypatch.setattr(torch.Tensor, "argsort", stable_argsort)
+def test_batch_equals_single_examples_and_left_padding_equals_none(name):
     model = make_model(name)
     for formulation in ("unified", "hidden"):
         assert_batch_equals_single_examples(model, *padded_batch(length=12), formulation=formulation)
+
+
+def test_the_layer_is_causal_inside_fla_on_cpu():
+    """Changing the last token leaves every earlier position's logits as they were (fla's unstable CPU sort broke
+    this: 0.26 relative on a tiny model)."""
+    model = make_model("mom")
+    ids = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(5))
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % VOCAB
+    with mc.fla_on_cpu(), torch.no_grad():
+        before = model(input_ids=ids, use_cache=False).logits[:, :-1]
+        after = model(input_ids=changed, use_cache=False).logits[:, :-1]
+    assert relative_error(after, before) <= 1e-12
 
 
 def test_reductions_rows_and_contributions_are_those_of_the_summed_parts():

@@ -5,9 +5,11 @@ Forward (fla 0.6.0, ``fla/layers/mom.py``, in eval mode), h the layer input, M m
 
 - routing: p = softmax(gate(h)) over the M memories (float32), the top k per token with weights w_{t,j} = p_{t,j} /
   Σ_top-k p (cast back to h's dtype); pads are routed nowhere.
-- layout (``transform``): the k copies of every real token are sorted by (batch row, memory) with ``argsort``; memory
-  m of row b gets the sub-sequence S_{b,m} = (t_1, …, t_n) of the tokens that chose it, in that sorted order (token
-  order where the sort keeps ties in place, as torch's CPU sort does). Every sub-sequence is a sequence of its own
+- layout (``transform``): the k copies of every real token are sorted by (batch row, memory); memory m of row b gets
+  the sub-sequence S_{b,m} = (t_1 < … < t_n) of the tokens that chose it, in token order. (fla sorts with an unstable
+  ``argsort``, which on a CPU can reorder a memory's tokens and make the layer non-causal and batch-dependent;
+  ``fla_on_cpu()`` runs the layout with a stable sort, :mod:`mamba_captum.fla_cpu.ops_mom`, and the rebuild follows
+  it: a layout fla orders otherwise fails the reconstruction check.) Every sub-sequence is a sequence of its own
   (cu_seqlens): zero state, zero conv window.
 - memory m over S_{b,m}: q = silu(conv_q(q_proj h)), k = silu(conv_k(k_proj[m] h)), v = silu(conv_v(v_proj[m] h)),
   the short convs running along the sub-sequence (the previous tokens routed to m, not the previous tokens);
@@ -101,11 +103,11 @@ def routing(mixer, hidden_states: torch.Tensor, mask: torch.Tensor | None):
         if bool((weights[real] == 0).any()):
             raise NotImplementedError("mamba_captum: fla's MomAttention with a routing weight that underflows to 0 "
                                       "(its packing then disagrees with its routing).")
-        # fla's transform: the copies of the tokens sorted by (batch row, memory), pads last
+        # transform's layout: the copies of the tokens sorted by (batch row, memory), pads last
         memories = selected.reshape(-1)
         rows = torch.arange(batch, device=weights.device)[:, None].repeat(1, length * topk).reshape(-1)
         rows[~real.repeat_interleave(topk, dim=1).flatten()] = batch
-        order = (rows * (memories.max() + 1) + memories).argsort()
+        order = (rows * (memories.max() + 1) + memories).argsort(stable=True)  # token order (fla_cpu.ops_mom)
         sorted_rows, sorted_memories = rows[order], memories[order]
         tokens, choices = (order % (length * topk)) // topk, order % topk
         layout = []

@@ -30,7 +30,7 @@ import sys
 import warnings
 
 from . import (modules, ops, ops_abc, ops_cyfa, ops_delta_family, ops_gla_family, ops_gsa, ops_log_linear,
-               ops_mesa_net, ops_precond, ops_rwkv)
+               ops_mesa_net, ops_mom, ops_precond, ops_rwkv)
 from .swaps import (FlaSwap, FlaSwapError, FunctionSwap, SwapSet, install_function_swap, signature_gap, usable,
                     wants_torch)
 
@@ -119,12 +119,14 @@ _OP_SWAPS = {
     "fla.ops.mesa_net.decoding_one_step": ("mesa_net_decoding_one_step",),
     # log-linear attention (LogLinearMamba2), Fenwick level weights over a Mamba-2 core (ops_log_linear)
     "fla.ops.log_linear_attn.chunk": ("chunk_log_linear_attn",),
+    # MoM's token layout with a stable sort: fla's argsort reorders a memory's tokens on a CPU (ops_mom)
+    "fla.layers.mom": ("transform",),
 }
 
 
 # the modules holding the torch versions of _OP_SWAPS' functions, searched in order for each name
 _OP_MODULES = (ops, ops_rwkv, ops_gla_family, ops_delta_family, ops_precond, ops_gsa, ops_abc, ops_mesa_net, ops_cyfa,
-               ops_log_linear)
+               ops_log_linear, ops_mom)
 
 
 def _op_version(name: str):

@@ -201,6 +201,9 @@ def log_linear_mamba2_forward(self, hidden_states, attention_mask=None, past_key
     """fla's ``LogLinearMamba2.forward`` on a CPU (fla's raises NotImplementedError off CUDA): its own
     ``cuda_kernels_forward`` (prefill, training and cached one-token steps), whose ops are swapped, with the torch
     short convolution of :class:`_WithTorchConv`; the cache updated as fla's forward updates it."""
+    if getattr(self, "chunk_size", 64) != 64:  # fla's scan refuses it with a bare NotImplementedError: name it
+        raise NotImplementedError(f"mamba_captum: fla's LogLinearMamba2 with chunk_size={self.chunk_size}: fla's "
+                                  "log-linear scan runs with chunk_size=64 only (on a GPU too); build it with 64.")
     layer_module = sys.modules[type(self).__module__]
     last_state = layer_module.get_layer_cache(self, past_key_values)
     output, conv_state, recurrent_state = type(self).cuda_kernels_forward(
