@@ -34,8 +34,8 @@ FAMILY_COMPONENTS = {"mamba": ("gate", "act", "conv"), "mamba2": ("gate", "act",
                      "gla": ("gate", "norm"), "retnet": ("gate", "norm"), "rwkv7": ("gate", "norm")}
 # Families whose operator has no core for "s6" to switch (LFM2's short conv: the band is the conv itself).
 CORELESS = ("lfm2",)
-# Families whose adapters have no MambaLRP rules yet (mamba_captum.families.fla_retnet / fla_rwkv7: LRP_UNSUPPORTED)
-NO_LRP = ("retnet", "rwkv7")
+# Families whose adapters have no MambaLRP rules yet (mamba_captum.families.fla_rwkv7: LRP_UNSUPPORTED)
+NO_LRP = ("rwkv7",)
 ABLATIONS = {"w/o act": ("act",), "w/o gate": ("gate",), "w/o conv": ("conv",), "w/o S6": ("s6",),
              "only S6": ("gate", "act", "conv", "norm")}
 

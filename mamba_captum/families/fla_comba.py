@@ -29,12 +29,10 @@ import torch
 from ..kernels.dplr.chunked import dplr_chunked
 from ..operators import DPLRCore
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_operator, output_gate
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate
 from .fla_gated_deltanet import head_log_decay
 
 MIXER_CLASSES = ("Comba",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's Comba has none yet (its "
-                   "fla norms and gates need their own)")
 INNER_MIXERS = {"Comba": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -46,8 +44,23 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
     mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
+    core = _core(mixer, h, q, k, work_dtype)
+
+    def core_output(values):
+        return dplr_chunked(core.q.double(), core.k.double(), values, core.a.double(), core.b.double(),
+                            core.log_decay, scale=core.scale)[0]
+
+    value_dim = mixer.head_v_dim
+    gate, norm = output_gate(mixer, h, mixer.use_output_gate, value_dim)
+    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
+                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
+                          core_output=core_output)
+
+
+def _core(mixer, h, q, k, work_dtype) -> DPLRCore:
+    """The detached :class:`DPLRCore` of the layer from h (B, L, D) and q, k (B, L, H·K) after their convs."""
     batch, length, _ = h.shape
-    heads, value_heads, key_dim, value_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    heads, value_heads, key_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim
     with torch.no_grad():
         q, k = (x.double().reshape(batch, length, heads, key_dim) for x in (q, k))
         p = k * torch.sigmoid(mixer.decay.double())[:, None] if mixer.use_inner_decay else k
@@ -62,13 +75,15 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         written = beta[..., None] * k  # β k: written with the value; −β k: erases what p reads
         channel_decay = log_decay[..., None].expand(batch, length, value_heads, key_dim)
         cast = lambda t: t.to(work_dtype)  # noqa: E731
-        core = DPLRCore(cast(q), cast(written), cast(p), cast(-written), channel_decay, scale=key_dim ** -0.5)
+        return DPLRCore(cast(q), cast(written), cast(p), cast(-written), channel_decay, scale=key_dim ** -0.5)
 
-    def core_output(values):
-        return dplr_chunked(core.q.double(), core.k.double(), values, core.a.double(), core.b.double(),
-                            core.log_decay, scale=core.scale)[0]
 
-    gate, norm = output_gate(mixer, h, mixer.use_output_gate, value_dim)
-    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
-                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=value_heads, head_dim=value_dim,
-                          core_output=core_output)
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp`: the DPLR core α (q with its
+    read-out correction, k, p, β, the decays) detached, the values' SiLU by the identity rule, ν detached, the gate by
+    its rule). (B, L, D), float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp")
+        core = _core(mixer, h, q, k, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=mixer.use_output_gate, heads=mixer.num_v_heads,
+                     head_dim=mixer.head_v_dim)

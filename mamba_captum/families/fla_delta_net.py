@@ -139,22 +139,23 @@ def delta_operator(call, formulation, components, work_dtype, *, mixer, core, va
                          value_pre=value_pre, conv_pre=act_pre, taps=taps)
 
 
-def delta_lrp(call, work_dtype, *, core, gated: bool, heads: int, head_dim: int) -> torch.Tensor:
+def delta_lrp(call, work_dtype, *, core, gated: bool, heads: int, head_dim: int, substeps: int = 1) -> torch.Tensor:
     """A delta-rule layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function
     of ``call.hidden_states``: v_proj and the value conv linear (a bias a constant; the pads' values zeroed before
     the conv, as fla's packed conv sees them), the values' SiLU by the identity rule, the core α (q, k, β, the decays:
     ``core``, detached) and the norm's ν detached, the gate act(g_proj h) (with ``gated``; act from the gated norm's
     ``activation``) by the identity and half rules (swish) or :func:`mamba_captum.rules.sigmoid_gate`. heads,
-    head_dim: HV and P. (B, L, D), float64."""
+    head_dim: HV and P; substeps: n, the values' sub-steps (j, head, channel) of a gated DeltaProduct, whose core has
+    n·HV heads (:func:`.fla_heads.head_lrp`). (B, L, D), float64."""
     mixer = call.located.module
     h = checked_input(call, "lrp")
     value = masked_tokens(run(mixer.v_proj, h).to(work_dtype), call.attention_mask)
     pre = short_conv(mixer.v_conv1d, value, work_dtype)[0] if mixer.use_short_conv else value
-    values = silu_rule(pre).reshape(*pre.shape[:2], heads, head_dim)
+    values = silu_rule(pre).reshape(*pre.shape[:2], substeps * heads, head_dim)
     gate_input = run(mixer.g_proj, h) if gated else None
     activation = getattr(mixer.o_norm, "activation", "swish") if gated else None
     return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
-                    norm=mixer.o_norm, out_proj=mixer.o_proj, heads=heads, head_dim=head_dim)
+                    norm=mixer.o_norm, out_proj=mixer.o_proj, heads=heads, head_dim=head_dim, substeps=substeps)
 
 
 def _core(mixer, h, q, k, work_dtype):

@@ -27,14 +27,12 @@ import torch
 from ..kernels.delta_rule import delta_rule_output_chunked
 from ..operators import DeltaProductCore, HeadOperator, gate_norm_rows
 from .common import linear_readout, run
-from .fla_delta_net import checked_input, output_gate, qkv_projections
+from .fla_delta_net import checked_input, delta_lrp, output_gate, qkv_projections
 from .fla_gated_deltanet import head_log_decay
 from .fla_heads import rms_scale
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("GatedDeltaProduct",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's GatedDeltaProduct has none "
-                   "yet (its fla norms and gates need their own)")
 INNER_MIXERS = {"GatedDeltaProduct": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -117,3 +115,16 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             values=per_head(w(value_pre)), output=w((tiled(scale) * partial.flatten(2, 3))),
                             readout=lambda out: readout_proj(summed(out).reshape(batch, length, -1)))
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp` over the n sub-steps: the core α
+    (q, the n keys and β per token, the forget gate) detached, the values' SiLU by the identity rule, ν detached, the
+    gate by its rule). (B, L, D), float64."""
+    mixer = call.located.module
+    with torch.no_grad():
+        h = checked_input(call, "lrp")
+        q, k, *_ = qkv_projections(mixer, h, call.attention_mask)
+        core = delta_product_core(mixer, h, q, k, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=mixer.use_output_gate, heads=mixer.num_v_heads,
+                     head_dim=mixer.head_v_dim, substeps=mixer.num_householder)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, masked_tokens
@@ -35,16 +36,18 @@ def _projected(mixer, h, name, conv_name, dtype=None):
     return x, pre, out
 
 
-def _gate_function(mixer):
-    """The output gate's activation (fla's fused norm uses swish), float64."""
+def gate_function(mixer):
+    """The output gate's activation of a GLA or RetNet layer (fla's fused norm uses swish), float64."""
     if mixer.fuse_norm_and_gate:
         return F.silu
     name = getattr(mixer.gate_fn, "__name__", "")
-    if mixer.gate_fn in (F.silu,) or name in ("swish", "silu", "SwishFunction"):
+    # a function, or a module of transformers' ACT2FN (RetNet's unfused gate)
+    if mixer.gate_fn in (F.silu,) or name in ("swish", "silu", "SwishFunction") or type(mixer.gate_fn) is nn.SiLU:
         return F.silu
-    if name in ("sigmoid",) or mixer.gate_fn is torch.sigmoid:
+    if name in ("sigmoid",) or mixer.gate_fn is torch.sigmoid or type(mixer.gate_fn) is nn.Sigmoid:
         return torch.sigmoid
-    raise NotImplementedError(f"mamba_captum: GLA's output gate {mixer.gate_fn!r} is not a known activation.")
+    raise NotImplementedError(f"mamba_captum: the output gate {mixer.gate_fn!r} of {type(mixer).__name__} is not a "
+                              "known activation.")
 
 
 def _head_values(mixer, v):
@@ -97,7 +100,7 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     gate_input, activation = None, None
     if mixer.use_output_gate:
         gate_input = run(mixer.g_proj, h)
-        activation = "swish" if _gate_function(mixer) is F.silu else "sigmoid"
+        activation = "swish" if gate_function(mixer) is F.silu else "sigmoid"
     norm = mixer.g_norm_swish_gate if mixer.use_output_gate and mixer.fuse_norm_and_gate else mixer.g_norm
     return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
                     norm=norm, out_proj=mixer.o_proj, heads=mixer.num_heads, head_dim=mixer.head_v_dim)
@@ -126,7 +129,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     values = v.to(work_dtype)
     output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), gk, scale=scale)
     if mixer.use_output_gate:
-        gate = _gate_function(mixer)(run(mixer.g_proj, h).double()).reshape(batch, length, heads, value_dim)
+        gate = gate_function(mixer)(run(mixer.g_proj, h).double()).reshape(batch, length, heads, value_dim)
         norm = mixer.g_norm_swish_gate if mixer.fuse_norm_and_gate else mixer.g_norm
     else:
         gate, norm = None, mixer.g_norm

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from types import SimpleNamespace
 
-from ..operators import HeadOperator, gate_norm_rows
+from ..operators import HeadOperator, gate_norm_rows, masked_tokens
+from ..rules import silu_rule
 from .common import linear_readout, run
 from .gated_deltanet import core_output, output_gate
 
@@ -35,6 +36,20 @@ def short_conv(conv, x: torch.Tensor, dtype: torch.dtype | None = None):
     if conv.activation not in ("silu", "swish"):
         raise NotImplementedError(f"mamba_captum: fla's ShortConvolution with activation {conv.activation!r}.")
     return pre, F.silu(pre)
+
+
+def rule_values(mixer, h: torch.Tensor, mask: torch.Tensor | None, work_dtype, projection: str,
+                conv: str) -> torch.Tensor:
+    """The values (B, L, C) a layer's core mixes, under MambaLRP's rules, a differentiable function of h (B, L, D):
+    the projection ``projection`` and, with ``mixer.use_short_conv``, the short conv ``conv`` linear (a bias a
+    constant; the pads zeroed before the conv, as fla's packed conv sees them, and after it), the conv's SiLU (if
+    any) by the identity rule."""
+    value = masked_tokens(run(getattr(mixer, projection), h).to(work_dtype), mask)
+    if mixer.use_short_conv:
+        conv_module = getattr(mixer, conv)
+        pre = short_conv(conv_module, value, work_dtype)[0]
+        value = pre if conv_module.activation is None else silu_rule(pre)
+    return masked_tokens(value, mask)
 
 
 def rms_scale(norm, output: torch.Tensor, *, over_width: bool = False, eps: float | None = None) -> torch.Tensor:
@@ -114,7 +129,7 @@ def head_operator(call, formulation, components, work_dtype, *, core, heads: int
 
 def head_lrp(call, work_dtype, *, core, values, gate_input, gate_activation: str | None, norm, out_proj,
              heads: int, head_dim: int, norm_over_width: bool = False, norm_eps: float | None = None,
-             zero_pads: bool = True):
+             zero_pads: bool = True, substeps: int = 1):
     """The output ``out_proj(ν(o) ⊙ act(z) ⊙ o)``, ``o = α v`` per head, of a layer as :func:`head_operator` reads
     it, under MambaLRP's rules: the core α detached (``core_output``), ν detached, the gate by ``output_gate`` (SiLU:
     the identity and half rules; a sigmoid: :func:`mamba_captum.rules.sigmoid_gate`), so the output is linear in
@@ -126,11 +141,13 @@ def head_lrp(call, work_dtype, *, core, values, gate_input, gate_activation: str
         gate_input: (B, L, H·P) or (B, L, H, P) the gate's pre-activation z (differentiable), or None (no gate).
         gate_activation: "swish" / "silu" or "sigmoid" (None without a gate). norm: the RMS norm (ν by
             :func:`rms_scale`), or None. norm_over_width, norm_eps, zero_pads: as :func:`head_operator`.
+        substeps: n, with values (B, L, n·H, P) over the core's n·H heads (j, h) (a gated DeltaProduct's sub-steps):
+            o_h is the sum over j of their outputs.
     Returns:
         (B, L, D) float64.
     """
     batch, length = values.shape[:2]
-    output = core_output(core, values)
+    output = core_output(core, values).reshape(batch, length, substeps, heads, head_dim).sum(2)
     # ν from the un-gated o (the norm acts before the gate), detached
     nu = None if norm is None else rms_scale(norm, output.detach(), over_width=norm_over_width, eps=norm_eps)
     if gate_input is not None:

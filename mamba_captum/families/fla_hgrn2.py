@@ -23,12 +23,10 @@ import torch.nn.functional as F
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, masked_tokens
 from .common import run
-from .fla_heads import head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, rule_values, short_conv
 
 MIXER_CLASSES = ("HGRN2Attention",)
 INNER_MIXERS = {"HGRN2Attention": ("q_conv1d", "f_conv1d", "i_conv1d")}  # the short convs: part of H
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's HGRN-2 has none yet (its "
-                   "lower-bounded forget gate and layer-wide norm need their own)")
 RMS_NORM_LINEAR_EPS = 1e-5  # fla.modules.norm.layernorm.rms_norm_linear's default, which HGRN-2 relies on
 
 
@@ -91,6 +89,35 @@ def lower_bounded(log_forget: torch.Tensor, call) -> torch.Tensor:
     return torch.logaddexp(bound.log(), torch.log1p(-bound) + log_forget)
 
 
+def _core_inputs(call, h: torch.Tensor):
+    """(q, k, g) (B, L, H, K) float64 of the layer's GLA op from h (B, L, D): q = swish(q), the lower-bounded forget
+    gate g, k = 1 − e^g (zero at the pads: fla drops them; a conv bias would give them keys)."""
+    mixer, mask = call.located.module, call.attention_mask
+    batch, length, _ = h.shape
+    q = F.silu(projected(mixer, h, "q_proj", "q_conv1d")[2].double())
+    log_forget = lower_bounded(F.logsigmoid(projected(mixer, h, "f_proj", "f_conv1d")[2].double()), call)
+    key = masked_tokens(1 - log_forget.exp(), mask)
+    split = lambda t: t.reshape(batch, length, mixer.num_heads, mixer.head_f_dim)  # noqa: E731
+    return split(q), split(key), split(log_forget)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function of
+    ``call.hidden_states``: i_proj and its conv linear (a bias a constant), the core α (q, k, the lower-bounded forget
+    gates) detached, the layer-wide norm's ν detached. (B, L, D), float64."""
+    mixer, mask = call.located.module, call.attention_mask
+    h = checked_input(call, "lrp", "HGRN-2", "i_conv1d")
+    batch, length, _ = h.shape
+    with torch.no_grad():
+        q, key, log_forget = _core_inputs(call, h)
+        core = GatedLinearCore(q.to(work_dtype), key.to(work_dtype), log_forget, mixer.head_f_dim ** -0.5)
+    values = rule_values(mixer, h, mask, work_dtype, "i_proj", "i_conv1d")
+    return head_lrp(call, work_dtype, core=core, values=values.reshape(batch, length, mixer.num_heads, -1),
+                    gate_input=None, gate_activation=None, norm=mixer.g_norm, out_proj=mixer.o_proj,
+                    heads=mixer.num_heads, head_dim=mixer.head_i_dim, norm_over_width=True,
+                    norm_eps=RMS_NORM_LINEAR_EPS)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -106,16 +133,11 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                   "batch longer than 64 tokens; explain one sequence at a time, or use mode 'chunk'.")
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_f_dim, mixer.head_i_dim
-    q = F.silu(projected(mixer, h, "q_proj", "q_conv1d")[2].double())
-    log_forget = lower_bounded(F.logsigmoid(projected(mixer, h, "f_proj", "f_conv1d")[2].double()), call)
-    key = 1 - log_forget.exp()
+    q, key, log_forget = _core_inputs(call, h)
     value_pre, _, v = projected(mixer, h, "i_proj", "i_conv1d")
-    if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them keys and values)
-        key = key * mask[:, :, None].to(key.dtype)
+    if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them values)
         v = v * mask[:, :, None].to(v.dtype)
-    split = lambda t, d: t.reshape(batch, length, heads, d)  # noqa: E731
-    q, key, log_forget = split(q, key_dim), split(key, key_dim), split(log_forget, key_dim)
-    v = split(v, value_dim)
+    v = v.reshape(batch, length, heads, value_dim)
     scale = key_dim ** -0.5
     core, values, output = gated_linear_output(q, key, log_forget, v, scale, work_dtype)
     taps = mixer.i_conv1d.weight[:, 0, :] if mixer.use_short_conv else None

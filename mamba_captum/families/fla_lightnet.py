@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..operators import GatedLinearCore
 from .common import run
-from .fla_heads import head_operator
+from .fla_heads import head_lrp, head_operator, rule_values
 from .fla_hgrn2 import checked_input, gated_linear_output, projected, refuse_norm_bias
 
 MIXER_CLASSES = ("LightNetAttention",)
 INNER_MIXERS = {"LightNetAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's LightNet has none yet (its "
-                   "additive key gate and layer-wide gated norm need their own)")
 GATED_NORM_LINEAR_EPS = 1e-6  # fla.modules.norm.fused_norm_gate.rms_norm_swish_gate_linear's default
 
 
@@ -45,6 +44,35 @@ def additive_gate(logits: torch.Tensor, mask: torch.Tensor | None):
     return keys, gate
 
 
+def _core_inputs(mixer, h: torch.Tensor, mask: torch.Tensor | None):
+    """(q, k̃, g) (B, L, H, K) float64 of the layer's op from h (B, L, D): q = swish(q), the additive gate's keys and
+    log decays (:func:`additive_gate`)."""
+    batch, length, _ = h.shape
+    split = lambda t: t.reshape(batch, length, mixer.num_heads, mixer.head_f_dim)  # noqa: E731
+    q = split(F.silu(projected(mixer, h, "q_proj", "q_conv1d")[2].double()))
+    keys, log_decay = additive_gate(split(projected(mixer, h, "k_proj", "k_conv1d")[2]), mask)
+    return q, keys, log_decay
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function of
+    ``call.hidden_states``: v_proj and its conv linear (a bias a constant), the core α (q, the additive gate's keys
+    and decays) detached, the layer-wide norm's ν detached, the gate swish(g_proj h) (a low-rank pair of linears) by
+    the identity and half rules. (B, L, D), float64."""
+    mixer, mask = call.located.module, call.attention_mask
+    h = checked_input(call, "lrp", "LightNet", "v_conv1d")
+    batch, length, _ = h.shape
+    heads, value_dim = mixer.num_heads, mixer.head_i_dim
+    with torch.no_grad():
+        q, keys, log_decay = _core_inputs(mixer, h, mask)
+        core = GatedLinearCore(q.to(work_dtype), keys.to(work_dtype), log_decay, mixer.head_f_dim ** -0.5)
+    values = rule_values(mixer, h, mask, work_dtype, "v_proj", "v_conv1d").reshape(batch, length, heads, value_dim)
+    low_rank, up = mixer.g_proj
+    return head_lrp(call, work_dtype, core=core, values=values, gate_input=run(up, run(low_rank, h)),
+                    gate_activation="swish", norm=mixer.g_norm, out_proj=mixer.o_proj, heads=heads,
+                    head_dim=value_dim, norm_over_width=True, norm_eps=GATED_NORM_LINEAR_EPS)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -57,8 +85,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     batch, length, _ = h.shape
     heads, key_dim, value_dim = mixer.num_heads, mixer.head_f_dim, mixer.head_i_dim
     split = lambda t, d: t.reshape(batch, length, heads, d)  # noqa: E731
-    q = split(F.silu(projected(mixer, h, "q_proj", "q_conv1d")[2].double()), key_dim)
-    keys, log_decay = additive_gate(split(projected(mixer, h, "k_proj", "k_conv1d")[2], key_dim), mask)
+    q, keys, log_decay = _core_inputs(mixer, h, mask)
     value_pre, _, v = projected(mixer, h, "v_proj", "v_conv1d")
     if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them values)
         v = v * mask[:, :, None].to(v.dtype)

@@ -23,12 +23,10 @@ from torch import nn
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, masked_tokens
 from .common import run
-from .fla_heads import head_operator
+from .fla_heads import head_lrp, head_operator
 from .fla_hgrn2 import refuse_packed
 
 MIXER_CLASSES = ("LinearAttention",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's linear attention has none yet "
-                   "(its feature maps and normaliser need their own)")
 NORMALIZER_EPS = 1e-10  # fla.ops.linear_attn: added to the normaliser q_t · Σ k_s
 
 
@@ -56,6 +54,44 @@ def feature_map(function, x: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError(f"mamba_captum: fla's linear attention with the feature map {function!r}.")
 
 
+def _core(mixer, h: torch.Tensor, mask: torch.Tensor | None, work_dtype: torch.dtype) -> GatedLinearCore:
+    """The detached core of the layer's op from h (B, L, D): q, k (key heads repeated) through the feature maps and
+    the optional sum normalisations, the pads' keys zeroed (fla drops pads; a feature map gives a zero token a
+    nonzero key), with ``normalize`` the row normaliser z_t dividing the query: α[t, s] = scale q_t·k_s / z_t."""
+    batch, length, _ = h.shape
+    key_dim = mixer.head_k_dim
+    with torch.no_grad():
+        q = run(mixer.q_proj, h).reshape(batch, length, mixer.num_heads, key_dim)
+        k = run(mixer.k_proj, h).reshape(batch, length, -1, key_dim).repeat_interleave(mixer.num_kv_groups, dim=2)
+        q, k = feature_map(mixer.feature_map_q, q), feature_map(mixer.feature_map_k, k)
+        if mixer.norm_q:
+            q = q / (q.sum(-1, True) + 1e-4)
+        if mixer.norm_k:
+            k = k / (k.sum(-1, True) + 1e-4)
+        k = masked_tokens(k.flatten(2), mask).reshape(k.shape)
+        scale = q.shape[-1] ** -0.5
+        if mixer.do_feature_map_norm:
+            q = q / (scale * (q * k.cumsum(1)).sum(-1, keepdim=True) + NORMALIZER_EPS)
+        return GatedLinearCore(q.to(work_dtype), k.to(work_dtype), None, scale)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function of
+    ``call.hidden_states``: v_proj linear (its bias a constant), the core α (the feature-mapped q, k and the
+    normaliser) detached, the norm's ν detached; the pads' outputs o_proj(0), as fla repads o before its norm and
+    o_proj. (B, L, D), float64."""
+    mixer, mask = call.located.module, call.attention_mask
+    refuse_packed(call, "LinearAttention")
+    h = masked_tokens(call.hidden_states, mask)
+    batch, length, _ = h.shape
+    core = _core(mixer, h, mask, work_dtype)
+    values = masked_tokens(run(mixer.v_proj, h).to(work_dtype), mask).reshape(batch, length, -1, mixer.head_v_dim)
+    norm = None if isinstance(mixer.norm, nn.Identity) else mixer.norm
+    return head_lrp(call, work_dtype, core=core, values=values.repeat_interleave(mixer.num_kv_groups, dim=2),
+                    gate_input=None, gate_activation=None, norm=norm, out_proj=mixer.o_proj, heads=mixer.num_heads,
+                    head_dim=mixer.head_v_dim, zero_pads=False)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -67,24 +103,12 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     mask = call.attention_mask
     h = masked_tokens(call.hidden_states, mask)
     batch, length, _ = h.shape
-    heads, key_dim, value_dim, groups = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim, mixer.num_kv_groups
-    q = run(mixer.q_proj, h).reshape(batch, length, heads, key_dim)
-    k = run(mixer.k_proj, h).reshape(batch, length, -1, key_dim).repeat_interleave(groups, dim=2)
+    heads, value_dim, groups = mixer.num_heads, mixer.head_v_dim, mixer.num_kv_groups
     v = run(mixer.v_proj, h).reshape(batch, length, -1, value_dim).repeat_interleave(groups, dim=2)
-    q, k = feature_map(mixer.feature_map_q, q), feature_map(mixer.feature_map_k, k)
-    if mixer.norm_q:
-        q = q / (q.sum(-1, True) + 1e-4)
-    if mixer.norm_k:
-        k = k / (k.sum(-1, True) + 1e-4)
-    if mask is not None:  # pads write nothing (fla drops them; a feature map gives a zero token a nonzero key)
-        k = k * mask[:, :, None, None].to(k.dtype)
-    scale = q.shape[-1] ** -0.5
-    if mixer.do_feature_map_norm:  # the normaliser of row t divides the query: α[t, s] = scale q_t·k_s / z_t
-        q = q / (scale * (q * k.cumsum(1)).sum(-1, keepdim=True) + NORMALIZER_EPS)
-    with torch.no_grad():
-        core = GatedLinearCore(q.detach().to(work_dtype), k.detach().to(work_dtype), None, scale)
+    core = _core(mixer, h, mask, work_dtype)
     values = v.to(work_dtype)
-    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), None, scale=scale)
+    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), None, scale=core.scale)
     norm = None if isinstance(mixer.norm, nn.Identity) else mixer.norm
     return head_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
-                         values=values, output=output, gate=None, norm=norm, out_proj=mixer.o_proj)
+                         values=values, output=output, gate=None, norm=norm, out_proj=mixer.o_proj,
+                         zero_pads=False)

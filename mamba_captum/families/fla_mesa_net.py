@@ -37,12 +37,10 @@ from ..kernels.mesa_net import mesa_query
 from ..operators import GatedLinearCore, masked_tokens
 from .common import run
 from .fla_delta_net import output_gate
-from .fla_heads import head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, short_conv
 
 MIXER_CLASSES = ("MesaNet",)
 INNER_MIXERS = {"MesaNet": ("q_conv1d", "k_conv1d")}  # the query / key short convs: inside α
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's MesaNet has none yet (its CG "
-                   "solve, fla norms and gates need their own)")
 
 
 def _checked_input(call):
@@ -75,6 +73,31 @@ def mesa_inputs(mixer, h, mask):
     return q_star, k, beta, log_decay
 
 
+def _core(mixer, h, mask, work_dtype) -> GatedLinearCore:
+    """The detached core of the layer from h (B, L, D): a gated linear core over (q*, β k), one decay per head,
+    scale 1 (module docstring)."""
+    with torch.no_grad():
+        q_star, k, beta, log_decay = mesa_inputs(mixer, h, mask)
+        written = beta.to(k.dtype)[..., None] * k
+        return GatedLinearCore(q_star.to(work_dtype), written.to(work_dtype), log_decay.double(), 1.0)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function of
+    ``call.hidden_states``: v_proj linear (its bias a constant), the core α (q* from the CG solve, k, β, the decays)
+    detached, the norm's ν detached, the gate swish(g_proj h) (with ``use_output_gate``) by the identity and half
+    rules. (B, L, D), float64."""
+    mixer, mask = call.located.module, call.attention_mask
+    h = _checked_input(call)
+    batch, length, _ = h.shape
+    core = _core(mixer, h, mask, work_dtype)
+    values = masked_tokens(run(mixer.v_proj, h).to(work_dtype), mask).reshape(batch, length, mixer.num_heads, -1)
+    gate_input = run(mixer.g_proj, h) if mixer.use_output_gate else None
+    activation = getattr(mixer.o_norm, "activation", "swish") if mixer.use_output_gate else None
+    return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
+                    norm=mixer.o_norm, out_proj=mixer.o_proj, heads=mixer.num_heads, head_dim=mixer.head_v_dim)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input (module docstring).
 
@@ -85,13 +108,9 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     h = _checked_input(call)
     batch, length, _ = h.shape
     heads, dim = mixer.num_heads, mixer.head_v_dim
-    with torch.no_grad():
-        q_star, k, beta, log_decay = mesa_inputs(mixer, h, call.attention_mask)
-        written = beta.to(k.dtype)[..., None] * k
-        log_decay = log_decay.double()
-        core = GatedLinearCore(q_star.detach().to(work_dtype), written.detach().to(work_dtype), log_decay, 1.0)
+    core = _core(mixer, h, call.attention_mask, work_dtype)
     values = run(mixer.v_proj, h).reshape(batch, length, heads, dim).to(work_dtype)
-    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), log_decay, scale=1.0)
+    output, _ = gated_linear_chunked(core.q.double(), core.k.double(), values.double(), core.log_decay, scale=1.0)
     gate, norm = output_gate(mixer, h, mixer.use_output_gate, dim)
     return head_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=dim,
                          values=values, output=output, gate=gate, norm=norm, out_proj=mixer.o_proj)

@@ -33,12 +33,10 @@ import torch
 from ..kernels.dplr import dplr_chunked, l2_normalised, precond_rule_inputs
 from ..operators import DPLRCore
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
 from .fla_gated_deltanet import head_log_decay
 
 MIXER_CLASSES = ("PrecondGatedDeltaNet",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's PrecondGatedDeltaNet has none "
-                   "yet (its fla norms and gates need their own)")
 INNER_MIXERS = {"PrecondGatedDeltaNet": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -81,18 +79,35 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
     mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
+    core = _core(mixer, h, q, k, work_dtype)
+    value_dim = mixer.head_v_dim
+    gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)
+    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
+                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
+                          core_output=core_output(core))
+
+
+def _core(mixer, h, q, k, work_dtype) -> DPLRCore:
+    """The detached core of the layer (:func:`precond_core`) from h (B, L, D) and q, k (B, L, H·K) after their
+    convs."""
     batch, length, _ = h.shape
-    heads, value_heads, key_dim, value_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
     with torch.no_grad():
-        q, k = (x.double().reshape(batch, length, heads, key_dim) for x in (q, k))
+        q, k = (x.double().reshape(batch, length, mixer.num_heads, mixer.head_k_dim) for x in (q, k))
         beta = write_strength(mixer, h)
         # fla computes both gates from float32 casts of the projections and of A_log (float32 in a float64 model)
         log_decay = head_log_decay(run(mixer.a_proj, h).float(), mixer.A_log.float(), mixer.dt_bias)
         log_decay_atk = head_log_decay(run(mixer.a_atk_proj, h).float(), mixer.A_log_atk.float(),
                                        mixer.dt_bias_atk)
         beta_atk = torch.sigmoid(run(mixer.b_atk_proj, h).double())
-        core = precond_core(mixer, q, k, beta, log_decay, log_decay_atk, beta_atk, mixer.log_atk_scale, work_dtype)
-    gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)
-    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
-                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=value_heads, head_dim=value_dim,
-                          core_output=core_output(core))
+        return precond_core(mixer, q, k, beta, log_decay, log_decay_atk, beta_atk, mixer.log_atk_scale, work_dtype)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp`: the core α (q, k, the
+    preconditioned written keys, β, the decays) detached, the values' SiLU by the identity rule, ν detached, the gate
+    by its rule). (B, L, D), float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp")
+        core = _core(mixer, h, q, k, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=mixer.use_gate, heads=mixer.num_v_heads,
+                     head_dim=mixer.head_v_dim)

@@ -29,14 +29,12 @@ from __future__ import annotations
 import torch
 
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_operator, output_gate, write_strength
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
 from .fla_gated_deltanet import head_log_decay
 from .fla_kda import channel_log_decay
 from .fla_precond_gated_deltanet import core_output, precond_core
 
 MIXER_CLASSES = ("PrecondKDA",)
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's PrecondKDA has none yet (its "
-                   "fla norms and gates need their own)")
 INNER_MIXERS = {"PrecondKDA": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
 
 
@@ -48,8 +46,19 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         (operator, rebuilt_output): the :class:`HeadOperator` and the mixer output recomputed from it, (B, L, D).
     """
     mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
+    core = _core(mixer, h, q, k, work_dtype)
+    value_dim = mixer.head_v_dim
+    gate, norm = output_gate(mixer, h, True, value_dim)
+    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
+                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
+                          core_output=core_output(core))
+
+
+def _core(mixer, h, q, k, work_dtype):
+    """The detached core of the layer (:func:`.fla_precond_gated_deltanet.precond_core`) from h (B, L, D) and q, k
+    (B, L, H·K) after their convs."""
     batch, length, _ = h.shape
-    heads, value_heads, key_dim, value_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    heads, value_heads, key_dim = mixer.num_heads, mixer.num_v_heads, mixer.head_k_dim
     with torch.no_grad():
         q, k = (x.double().reshape(batch, length, heads, key_dim) for x in (q, k))
         beta = write_strength(mixer, h).repeat_interleave(value_heads // heads, dim=2)
@@ -58,8 +67,14 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         log_decay = channel_log_decay(raw, mixer.A_log, mixer.dt_bias, mixer.lower_bound).float().double()
         log_decay_atk = head_log_decay(run(mixer.a_proj, h).float(), mixer.A_log_atk.float(), mixer.dt_bias_atk)
         beta_atk = torch.sigmoid(run(mixer.b_atk_proj, h).double())
-        core = precond_core(mixer, q, k, beta, log_decay, log_decay_atk, beta_atk, mixer.log_atk_scale, work_dtype)
-    gate, norm = output_gate(mixer, h, True, value_dim)
-    return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
-                          act_pre=act_pre, v=v, gate=gate, norm=norm, heads=value_heads, head_dim=value_dim,
-                          core_output=core_output(core))
+        return precond_core(mixer, q, k, beta, log_decay, log_decay_atk, beta_atk, mixer.log_atk_scale, work_dtype)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_delta_net.delta_lrp`: the core α (q, k, the
+    preconditioned written keys, β, the per-channel decays) detached, the values' SiLU by the identity rule, ν
+    detached, the sigmoid gate by :func:`mamba_captum.rules.sigmoid_gate`). (B, L, D), float64."""
+    with torch.no_grad():
+        mixer, h, (q, k, *_) = delta_layer_input(call, "lrp")
+        core = _core(mixer, h, q, k, work_dtype)
+    return delta_lrp(call, work_dtype, core=core, gated=True, heads=mixer.num_v_heads, head_dim=mixer.head_v_dim)

@@ -17,14 +17,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..operators import GatedLinearCore
 from .common import run
-from .fla_heads import head_operator
+from .fla_gla import gate_function
+from .fla_heads import head_lrp, head_operator, rule_values
 from .fla_hgrn2 import checked_input, gated_linear_output, projected
 
 MIXER_CLASSES = ("MultiScaleRetention",)
 INNER_MIXERS = {"MultiScaleRetention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
-LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; fla's RetNet has none yet (its "
-                   "rotary embeddings and gated norm need their own)")
 
 
 def retention_log_decays(heads: int, device=None) -> torch.Tensor:
@@ -67,6 +67,23 @@ def rotary(module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return torch.cat([rotated, rest], dim=-1)
 
 
+def queries_keys(mixer, h: torch.Tensor, mask: torch.Tensor | None):
+    """(q, k) (B, L, H, K) float64 as the retention op gets them from h (B, L, D): the projections through their
+    convs, the feature map, the rotary embedding at each sequence's positions, the pads' keys zeroed (fla drops pads;
+    a conv bias would give them keys), the key heads repeated for the query heads."""
+    batch, length, _ = h.shape
+    key_dim = mixer.head_k_dim
+    q = projected(mixer, h, "q_proj", "q_conv1d")[2].reshape(batch, length, -1, key_dim)
+    k = projected(mixer, h, "k_proj", "k_conv1d")[2].reshape(batch, length, -1, key_dim)
+    if mixer.feature_map_fn is not None:
+        q, k = run(mixer.feature_map_fn, q), run(mixer.feature_map_fn, k)
+    positions = sequence_positions(mask, batch, length, h.device)
+    q, k = rotary(mixer.rotary, q, positions), rotary(mixer.rotary, k, positions)
+    if mask is not None:
+        k = k * mask[:, :, None, None].to(k.dtype)
+    return q, k.repeat_interleave(mixer.num_kv_groups, dim=2)
+
+
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator from its recorded input.
 
@@ -80,18 +97,10 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     if groups > 1 and formulation == "unified" and mixer.use_short_conv:
         raise NotImplementedError("mamba_captum: the unified operator of a RetNet layer with num_kv_heads < num_heads "
                                   "and a value conv; use formulation='hidden'.")
-    q = projected(mixer, h, "q_proj", "q_conv1d")[2]
-    k = projected(mixer, h, "k_proj", "k_conv1d")[2]
+    q, k = queries_keys(mixer, h, mask)
     value_pre, conv_pre, v = projected(mixer, h, "v_proj", "v_conv1d")
-    q, k = q.reshape(batch, length, -1, key_dim), k.reshape(batch, length, -1, key_dim)
-    if mixer.feature_map_fn is not None:
-        q, k = run(mixer.feature_map_fn, q), run(mixer.feature_map_fn, k)
-    positions = sequence_positions(mask, batch, length, h.device)
-    q, k = rotary(mixer.rotary, q, positions), rotary(mixer.rotary, k, positions)
-    if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them keys and values)
-        k = k * mask[:, :, None, None].to(k.dtype)
+    if mask is not None:  # pads write nothing (fla drops them; a conv bias would give them values)
         v = v * mask[:, :, None].to(v.dtype)
-    k = k.repeat_interleave(groups, dim=2)
     v = v.reshape(batch, length, -1, value_dim).repeat_interleave(groups, dim=2)
     log_decay = retention_log_decays(heads, h.device).expand(batch, length, heads)
     scale = key_dim ** -0.5
@@ -107,3 +116,29 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     return head_operator(call, formulation, components, work_dtype, core=core, heads=heads, head_dim=value_dim,
                          values=values, output=output, gate=gate, norm=norm, out_proj=mixer.o_proj,
                          value_pre=value_pre if mixer.use_short_conv else None, conv_pre=conv_pre, taps=taps)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules (:func:`.fla_heads.head_lrp`), a differentiable function of
+    ``call.hidden_states``: v_proj and the value conv linear (its bias a constant; the pads' values zeroed before the
+    conv, as fla's packed conv sees them), the conv's SiLU by the identity rule, the core α (q, k after their rotary
+    embedding, the fixed decays) detached, the norm's ν detached, the output gate act(g_proj h) (fused with the norm
+    or after it) by the identity and half rules (swish) or :func:`mamba_captum.rules.sigmoid_gate`. (B, L, D),
+    float64."""
+    mixer, mask = call.located.module, call.attention_mask
+    h = checked_input(call, "lrp", "RetNet", "v_conv1d")
+    batch, length, _ = h.shape
+    heads, key_dim, value_dim = mixer.num_heads, mixer.head_k_dim, mixer.head_v_dim
+    with torch.no_grad():
+        q, k = queries_keys(mixer, h, mask)
+        log_decay = retention_log_decays(heads, h.device).expand(batch, length, heads)
+        core = GatedLinearCore(q.to(work_dtype), k.to(work_dtype), log_decay, key_dim ** -0.5)
+    values = rule_values(mixer, h, mask, work_dtype, "v_proj", "v_conv1d").reshape(batch, length, -1, value_dim)
+    values = values.repeat_interleave(mixer.num_kv_groups, dim=2)
+    gate_input, activation = None, None
+    if mixer.use_output_gate:
+        gate_input = run(mixer.g_proj, h)
+        activation = "swish" if gate_function(mixer) is F.silu else "sigmoid"
+    norm = mixer.g_norm_swish_gate if mixer.fuse_norm_and_gate else mixer.g_norm
+    return head_lrp(call, work_dtype, core=core, values=values, gate_input=gate_input, gate_activation=activation,
+                    norm=norm, out_proj=mixer.o_proj, heads=heads, head_dim=value_dim)

@@ -82,8 +82,14 @@ LINEAR_CONTAINERS = {
     "ZambaAttention",
     # flash-linear-attention 0.6.0 (FLAModel / FLAForCausalLM forwards, KDA's own head forward the same): embeddings,
     # blocks, the final norm and the head; each block is norm → mixer → fused-residual norm → GatedMLP → residual
-    # (fla's RMSNorm and GatedMLP have rules; the blocks' attention residuals are refused, FLA_REFUSED)
-    *(f"{prefix}{suffix}" for prefix in ("GLA", "GatedDeltaNet", "DeltaNet", "KDA")
+    # (fla's RMSNorm and GatedMLP have rules; the blocks' attention residuals are refused, FLA_REFUSED). Read too:
+    # the models of RetNet, HGRN-2 (its per-layer lower bounds a softmax of parameters: constants), LightNet and
+    # LinearAttention, the heads of LinearAttention and PrecondKDA, and the precond blocks (a plain residual sum
+    # without fuse_norm), all with forwards of their own and the same walk; a block holding fla's softmax
+    # ``Attention`` (a hybrid's ``attn`` layers) is refused: that class has no rule
+    *(f"{prefix}{suffix}" for prefix in ("GLA", "GatedDeltaNet", "DeltaNet", "KDA", "RetNet", "HGRN2", "LightNet",
+                                         "LinearAttention", "Comba", "GatedDeltaProduct", "PrecondGatedDeltaNet",
+                                         "PrecondKDA", "MesaNet")
       for suffix in ("ForCausalLM", "Model", "Block")),
 }
 # fla containers whose configuration adds a non-linear step to their own forward: attribute -> why it is refused
