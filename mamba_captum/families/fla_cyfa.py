@@ -34,7 +34,7 @@ from ..kernels.cyclic_flow import readout_table, value_memory_inputs
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, masked_tokens
 from .common import run
-from .fla_heads import head_operator, short_conv
+from .fla_heads import head_operator, refuse_packed_or_cached, short_conv
 
 MIXER_CLASSES = ("CyclicFlowAttention",)
 INNER_MIXERS = {"CyclicFlowAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
@@ -45,14 +45,8 @@ LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; 
 def _checked_input(call, formulation: str) -> torch.Tensor:
     """The layer's input h (B, L, D) with the pads zeroed, after refusing packed sequences, a cached prefix and (for
     the unified operator) a value conv with a bias."""
-    mixer, options = call.located.module, call.options
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: fla's CyclicFlowAttention with packed sequences (cu_seqlens); pass a "
-                                  "padded batch with attention_mask instead.")
-    cache = options.get("past_key_values")
-    if cache is not None and len(cache) > mixer.layer_idx:
-        raise NotImplementedError("mamba_captum: fla's CyclicFlowAttention continuing a cached prefix "
-                                  "(past_key_values); explain the whole sequence in one call.")
+    mixer = call.located.module
+    refuse_packed_or_cached(call)
     if formulation == "unified" and mixer.use_short_conv and mixer.v_conv1d.bias is not None:
         raise NotImplementedError("mamba_captum: the unified operator of fla's CyclicFlowAttention whose value conv "
                                   "has a bias is not linear in the values; use formulation='hidden'.")

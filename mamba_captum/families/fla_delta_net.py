@@ -38,7 +38,7 @@ from ..kernels.delta_rule import delta_rule_output_chunked
 from ..operators import DeltaRuleCore, masked_tokens
 from ..rules import silu_rule
 from .common import run
-from .fla_heads import head_lrp, head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, refuse_packed_or_cached, short_conv
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("DeltaNet",)
@@ -48,15 +48,9 @@ INNER_MIXERS = {"DeltaNet": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short c
 def checked_input(call, formulation: str):
     """The layer's input h (B, L, D) with the pads zeroed, after refusing what the rebuild does not follow: packed
     sequences, a cached prefix, and (unified) a value conv with a bias (an affine operator)."""
-    mixer, options = call.located.module, call.options
+    mixer = call.located.module
     name = type(mixer).__name__
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError(f"mamba_captum: fla's {name} with packed sequences (cu_seqlens); pass a padded "
-                                  "batch with attention_mask instead.")
-    cache = options.get("past_key_values")
-    if cache is not None and len(cache) > mixer.layer_idx:
-        raise NotImplementedError(f"mamba_captum: fla's {name} continuing a cached prefix (past_key_values); explain "
-                                  "the whole sequence in one call.")
+    refuse_packed_or_cached(call)
     if formulation == "unified" and mixer.use_short_conv and mixer.v_conv1d.bias is not None:
         raise NotImplementedError(f"mamba_captum: the unified operator of fla's {name} whose value conv has a bias is "
                                   "not linear in the values; use formulation='hidden'.")

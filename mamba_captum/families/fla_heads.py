@@ -23,6 +23,21 @@ from .common import linear_readout, run
 from .gated_deltanet import core_output, output_gate
 
 
+def refuse_packed_or_cached(call) -> None:
+    """Refuse a layer call the rebuild cannot follow: packed sequences (``cu_seqlens``: the rebuild reads one sequence
+    per batch row) and a cached prefix (``past_key_values`` holding this layer: the rebuild starts from a zero
+    state), each by name with the fix."""
+    mixer, options = call.located.module, call.options
+    name = type(mixer).__name__
+    if options.get("cu_seqlens") is not None:
+        raise NotImplementedError(f"mamba_captum: fla's {name} with packed sequences (cu_seqlens); pass a padded "
+                                  "batch with attention_mask instead.")
+    cache = options.get("past_key_values")
+    if cache is not None and len(cache) > mixer.layer_idx:
+        raise NotImplementedError(f"mamba_captum: fla's {name} continuing a cached prefix (past_key_values); explain "
+                                  "the whole sequence in one call.")
+
+
 def short_conv(conv, x: torch.Tensor, dtype: torch.dtype | None = None):
     """(pre-activation, output) of fla's ``ShortConvolution`` (a depthwise causal ``nn.Conv1d``, SiLU or no
     activation) on x (B, L, C), computed by ``F.conv1d`` in ``dtype`` (default the conv's)."""

@@ -37,7 +37,7 @@ from ..kernels.mesa_net import mesa_query
 from ..operators import GatedLinearCore, masked_tokens
 from .common import run
 from .fla_delta_net import output_gate
-from .fla_heads import head_lrp, head_operator, short_conv
+from .fla_heads import head_lrp, head_operator, refuse_packed_or_cached, short_conv
 
 MIXER_CLASSES = ("MesaNet",)
 INNER_MIXERS = {"MesaNet": ("q_conv1d", "k_conv1d")}  # the query / key short convs: inside α
@@ -45,14 +45,7 @@ INNER_MIXERS = {"MesaNet": ("q_conv1d", "k_conv1d")}  # the query / key short co
 
 def _checked_input(call):
     """The layer's input h (B, L, D) with the pads zeroed, after refusing packed sequences and a cached prefix."""
-    mixer, options = call.located.module, call.options
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: fla's MesaNet with packed sequences (cu_seqlens); pass a padded batch "
-                                  "with attention_mask instead.")
-    cache = options.get("past_key_values")
-    if cache is not None and len(cache) > mixer.layer_idx:
-        raise NotImplementedError("mamba_captum: fla's MesaNet continuing a cached prefix (past_key_values); explain "
-                                  "the whole sequence in one call.")
+    refuse_packed_or_cached(call)
     return masked_tokens(call.hidden_states, call.attention_mask)
 
 

@@ -50,11 +50,11 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.delta_rule import delta_rule_output_chunked
-from ..operators import (DeltaRuleCore, HeadOperator, RoutedCore, RoutedMemoriesOperator, gate_norm_rows, gather_slots,
-                         masked_tokens, scatter_slots)
+from ..operators import (HeadOperator, RoutedCore, RoutedMemoriesOperator, gate_norm_rows, gather_slots, masked_tokens,
+                         scatter_slots)
 from .common import linear_readout, run
 from .fla_delta_net import output_gate
-from .fla_heads import rms_scale, short_conv
+from .fla_heads import refuse_packed_or_cached, rms_scale, short_conv
 from .gated_deltanet import delta_rule_inputs
 
 MIXER_CLASSES = ("MomAttention",)
@@ -65,18 +65,12 @@ INNER_MIXERS = {"MomAttention": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the sho
 
 def _refuse(call, formulation: str):
     """Refuse what the rebuild does not follow (module docstring)."""
-    mixer, options = call.located.module, call.options
+    mixer = call.located.module
     if mixer.training:
         raise NotImplementedError(
             "mamba_captum: fla's MomAttention in training mode runs its routed short convs over all memories' packed "
             "tokens without cu_seqlens (across memories and batch rows); explain the model in eval() mode.")
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: fla's MomAttention with packed sequences (cu_seqlens); pass a padded "
-                                  "batch with attention_mask instead.")
-    cache = options.get("past_key_values")
-    if cache is not None and len(cache) > mixer.layer_idx:
-        raise NotImplementedError("mamba_captum: fla's MomAttention continuing a cached prefix (past_key_values); "
-                                  "explain the whole sequence in one call.")
+    refuse_packed_or_cached(call)
     if not mixer.use_short_conv:
         raise NotImplementedError("mamba_captum: fla's MomAttention without short convs (use_short_conv=False), "
                                   "whose fla 0.6.0 forward skips the SiLU of its routed q, k, v.")

@@ -29,7 +29,7 @@ from ..kernels.bands import band_entries
 from ..kernels.gated_linear import gated_linear_chunked
 from ..operators import GatedLinearCore, HeadOperator, ParallelBandCore, gate_norm_rows, masked_tokens
 from .common import linear_readout, run
-from .fla_heads import rms_scale, short_conv
+from .fla_heads import refuse_packed_or_cached, rms_scale, short_conv
 
 MIXER_CLASSES = ("RodimusAttention",)
 INNER_MIXERS = {"RodimusAttention": ("short_conv",)}  # the SiLU short conv: part of H
@@ -38,14 +38,8 @@ LRP_UNSUPPORTED = ("MambaLRP's rules are written for the transformers families; 
 
 
 def _checked(call):
-    mixer, options = call.located.module, call.options
-    if options.get("cu_seqlens") is not None:
-        raise NotImplementedError("mamba_captum: fla's RodimusAttention with packed sequences (cu_seqlens); pass a "
-                                  "padded batch with attention_mask instead.")
-    cache = options.get("past_key_values")
-    if cache is not None and len(cache) > mixer.layer_idx:
-        raise NotImplementedError("mamba_captum: fla's RodimusAttention continuing a cached prefix (past_key_values); "
-                                  "explain the whole sequence in one call.")
+    mixer = call.located.module
+    refuse_packed_or_cached(call)
     norm = mixer.activation_norm
     if norm.norm_before_gate or norm.group_size not in (None, mixer.d_inner):
         raise NotImplementedError("mamba_captum: fla's RodimusAttention with an activation_norm other than fla's "
