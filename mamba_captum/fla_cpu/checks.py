@@ -99,7 +99,8 @@ def _dplr(generator):
 def _rwkv7(generator):
     ours, reference = _dplr(generator)
     ours = dict(r=ours["q"] * 2.0, w=ours["gk"], k=ours["k"], v=ours["v"], a=ours["a"], b=ours["b"],
-                scale=0.25, initial_state=ours["initial_state"], output_final_state=True)  # 2 · 0.25 = 4^-1/2
+                scale=0.5 * ours["q"].shape[-1] ** -0.5, initial_state=ours["initial_state"],
+                output_final_state=True)  # 2 · scale = K^-1/2, the scale fla's reference fixes
     return ours, reference
 
 
