@@ -159,7 +159,8 @@ def main() -> int:
         failures += not ok
         shown = "-" if gradient is None else f"{gradient:.2e}"
         print(f"{op:<48} {forward:>10.2e} {shown:>10}  {'PASS' if ok else 'FAIL'}  ({sizes} sizes)")
-    print(f"{'FAIL' if failures else 'PASS'}: {failures} of {sum(1 for k in PROBES if not args.ops or k.rpartition('.')[2] in args.ops)} ops failed")
+    checked = sum(1 for key in PROBES if not args.ops or key.rpartition(".")[2] in args.ops)
+    print(f"{'FAIL' if failures else 'PASS'}: {failures} of {checked} ops failed")
     return 1 if failures else 0
 
 

@@ -344,6 +344,27 @@ def run_hooked(model, ids, mask, handles) -> None:
             handle.remove()
 
 
+def assert_a_cpu_training_step_matches_eval(model, ids, tolerance: float, every_weight: bool = True) -> None:
+    """A training step of ``model`` on ``ids`` inside fla_on_cpu(): its loss equals the eval forward's (to
+    ``tolerance``, relative) and every mixer weight gets a finite gradient, each non-zero (``every_weight``) or at
+    least one."""
+    import mamba_captum as mc
+    from conftest import relative_error
+    with mc.fla_on_cpu():
+        with torch.no_grad():
+            eval_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        model.train()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+    assert relative_error(loss, eval_loss) <= tolerance
+    grads = {name: p.grad for m in fla_mixers(model) for name, p in m.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads.values()), grads.keys()
+    if every_weight:
+        assert all(float(g.abs().sum()) > 0 for g in grads.values()), grads.keys()
+    else:
+        assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+
+
 def assert_batch_equals_single_examples(model, ids, mask, **options) -> None:
     """Each row's maps from the padded batch (ids, mask (B, L)), restricted to its real tokens, equal the maps of the
     row alone without its pads (float64, rtol 1e-9, atol 1e-12). options: those of ``mc.implicit_attention``."""

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import (VOCAB, OpRecorder, assert_batch_equals_single_examples, common_config, fla_mixers,
-                        fla_models, one_hot_values, run_hooked, scale_up_mixer_weights)
+from fla_models import (VOCAB, OpRecorder, assert_a_cpu_training_step_matches_eval, assert_batch_equals_single_examples,
+                        common_config, fla_mixers, fla_models, one_hot_values, run_hooked, scale_up_mixer_weights)
 from test_engine import assert_untouched, model_state
 from test_kernel_delta_rule_states import Float64
 from transformers import AutoModelForCausalLM
@@ -201,17 +201,7 @@ def test_right_padded_batch_equals_single_examples_and_left_padding_is_refused(f
 
 def test_a_cpu_training_step_runs_and_matches_eval():
     model = make_model("abc", num_hidden_layers=1)
-    ids = right_padded_batch(length=10)[0]
-    with mc.fla_on_cpu():
-        with torch.no_grad():
-            eval_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        model.train()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    assert relative_error(loss, eval_loss) <= 1e-12
-    grads = [p.grad for m in fla_mixers(model) for p in m.parameters() if p.requires_grad]
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert all(float(g.abs().sum()) > 0 for g in grads)
+    assert_a_cpu_training_step_matches_eval(model, right_padded_batch(length=10)[0], 1e-12)
 
 
 def test_refusals_name_what_is_not_supported():

@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import (OpRecorder, assert_batch_equals_single_examples, common_config, fla_mixers, fla_models,
-                        gla_impulse, one_hot_values, padded_batch, run_hooked, scale_up_mixer_weights)
+from fla_models import (OpRecorder, assert_a_cpu_training_step_matches_eval, assert_batch_equals_single_examples,
+                        common_config, fla_mixers, fla_models, gla_impulse, one_hot_values, padded_batch, run_hooked,
+                        scale_up_mixer_weights)
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
 
@@ -289,17 +290,7 @@ def test_a_cpu_training_step_runs_the_chunked_ops_and_matches_eval(name):
     """With gradients the layers take their chunked ops (fla's mode switch): the training loss equals the eval loss
     (the fused-recurrent path), and every mixer weight gets a finite gradient."""
     model = make_model(name, num_hidden_layers=1)
-    ids = padded_batch(length=10)[0]
-    with mc.fla_on_cpu():
-        with torch.no_grad():
-            eval_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        model.train()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    assert relative_error(loss, eval_loss) <= 1e-10
-    grads = [p.grad for m in fla_mixers(model) for p in m.parameters() if p.requires_grad]
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-    assert sum(float(g.abs().sum()) for g in grads) > 0
+    assert_a_cpu_training_step_matches_eval(model, padded_batch(length=10)[0], 1e-10, every_weight=False)
 
 
 @pytest.mark.parametrize("feature_map,extra", [("elementwise_product", {}), ("t2r", {}), ("dpfp", {}),

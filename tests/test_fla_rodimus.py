@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import relative_error
-from fla_models import (OpRecorder, assert_batch_equals_single_examples, fla_mixers, fla_models, gla_impulse,
-                        padded_batch, run_hooked, scale_up_mixer_weights)
+from fla_models import (OpRecorder, assert_a_cpu_training_step_matches_eval, assert_batch_equals_single_examples,
+                        fla_mixers, fla_models, gla_impulse, padded_batch, run_hooked, scale_up_mixer_weights)
 from test_engine import assert_untouched, model_state
 from transformers import AutoModelForCausalLM
 
@@ -160,16 +160,7 @@ def test_batch_equals_single_examples_and_padding_equals_none(name, left, formul
 
 def test_a_cpu_training_step_runs_and_every_mixer_weight_gets_a_gradient():
     model = make_model("rodimus", torch.float32, num_hidden_layers=1)
-    ids = padded_batch(length=10)[0]
-    with mc.fla_on_cpu():
-        with torch.no_grad():
-            eval_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        model.train()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-    assert relative_error(loss, eval_loss) <= 1e-6
-    grads = {name: p.grad for m in fla_mixers(model) for name, p in m.named_parameters()}
-    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values()), grads.keys()
+    assert_a_cpu_training_step_matches_eval(model, padded_batch(length=10)[0], 1e-6)
 
 
 def test_components_switch_the_parallel_path_and_the_core():
