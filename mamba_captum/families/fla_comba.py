@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dplr.chunked import dplr_chunked
+from ..kernels.dplr import l2_normalised
 from ..operators import DPLRCore
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate
+from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, dplr_output, output_gate
 from .fla_gated_deltanet import head_log_decay
 
 MIXER_CLASSES = ("Comba",)
@@ -45,16 +45,11 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     """
     mixer, h, (q, k, value_pre, act_pre, v) = delta_layer_input(call, formulation)
     core = _core(mixer, h, q, k, work_dtype)
-
-    def core_output(values):
-        return dplr_chunked(core.q.double(), core.k.double(), values, core.a.double(), core.b.double(),
-                            core.log_decay, scale=core.scale)[0]
-
     value_dim = mixer.head_v_dim
     gate, norm = output_gate(mixer, h, mixer.use_output_gate, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
-                          core_output=core_output)
+                          core_output=dplr_output(core))
 
 
 def _core(mixer, h, q, k, work_dtype) -> DPLRCore:
@@ -70,7 +65,7 @@ def _core(mixer, h, q, k, work_dtype) -> DPLRCore:
         # fla computes g from float32 casts of a_proj's output and A_log (float32 even in a float64 model)
         log_decay = head_log_decay(run(mixer.a_proj, h).float(), mixer.A_log.float(), mixer.dt_bias)
         # the kernel's L2 norm (eps inside the root), key heads repeated for the value heads
-        q, k, p = (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + 1e-6) for x in (q, k, p))
+        q, k, p = (l2_normalised(x) for x in (q, k, p))
         q, k, p = (x.repeat_interleave(value_heads // heads, dim=2) for x in (q, k, p))
         written = beta[..., None] * k  # β k: written with the value; −β k: erases what p reads
         channel_decay = log_decay[..., None].expand(batch, length, value_heads, key_dim)

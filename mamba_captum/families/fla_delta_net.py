@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.delta_rule import delta_rule_output_chunked
+from ..kernels.dplr import dplr_chunked
 from ..operators import DeltaRuleCore, masked_tokens
 from ..rules import silu_rule
 from .common import run
@@ -107,6 +108,15 @@ def output_gate(mixer, h, gated: bool, head_dim: int):
         raise NotImplementedError(f"mamba_captum: fla's gated norm with activation {activation!r}.")
     gate = act(run(mixer.g_proj, h).double())
     return gate.reshape(*gate.shape[:2], -1, head_dim), norm
+
+
+def dplr_output(core):
+    """values (B, L, HV, P) float64 -> o = α v (B, L, HV, P): the chunked DPLR rule of a :class:`DPLRCore` (Comba,
+    the preconditioned rules), as :func:`delta_operator`'s ``core_output``."""
+    def output(values):
+        return dplr_chunked(core.q.double(), core.k.double(), values, core.a.double(), core.b.double(),
+                            core.log_decay, scale=core.scale)[0]
+    return output
 
 
 def delta_operator(call, formulation, components, work_dtype, *, mixer, core, value_pre, act_pre, v, gate, norm,

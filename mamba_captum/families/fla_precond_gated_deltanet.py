@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.dplr import dplr_chunked, l2_normalised, precond_rule_inputs
+from ..kernels.dplr import l2_normalised, precond_rule_inputs
 from ..operators import DPLRCore
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
+from .fla_delta_net import (delta_layer_input, delta_lrp, delta_operator, dplr_output, output_gate,
+                            write_strength)
 from .fla_gated_deltanet import head_log_decay
 
 MIXER_CLASSES = ("PrecondGatedDeltaNet",)
@@ -63,14 +64,6 @@ def mixer_squash(mixer) -> float:
     return float(getattr(mixer, "squash_x_val", getattr(mixer, "squash_x", 1.5)))
 
 
-def core_output(core):
-    """values (B, L, HV, P) float64 -> o = α v (B, L, HV, P): the chunked DPLR rule of ``core``."""
-    def output(values):
-        return dplr_chunked(core.q.double(), core.k.double(), values, core.a.double(), core.b.double(),
-                            core.log_decay, scale=core.scale)[0]
-    return output
-
-
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
     """Rebuild the layer's operator (a DPLR core: the gated delta rule with preconditioned written keys; module
     docstring) from its recorded input.
@@ -84,7 +77,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     gate, norm = output_gate(mixer, h, mixer.use_gate, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
-                          core_output=core_output(core))
+                          core_output=dplr_output(core))
 
 
 def _core(mixer, h, q, k, work_dtype) -> DPLRCore:

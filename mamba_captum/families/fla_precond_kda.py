@@ -29,10 +29,11 @@ from __future__ import annotations
 import torch
 
 from .common import run
-from .fla_delta_net import delta_layer_input, delta_lrp, delta_operator, output_gate, write_strength
+from .fla_delta_net import (delta_layer_input, delta_lrp, delta_operator, dplr_output, output_gate,
+                            write_strength)
 from .fla_gated_deltanet import head_log_decay
 from .fla_kda import channel_log_decay
-from .fla_precond_gated_deltanet import core_output, precond_core
+from .fla_precond_gated_deltanet import precond_core
 
 MIXER_CLASSES = ("PrecondKDA",)
 INNER_MIXERS = {"PrecondKDA": ("q_conv1d", "k_conv1d", "v_conv1d")}  # the short convs: part of H
@@ -51,7 +52,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     gate, norm = output_gate(mixer, h, True, value_dim)
     return delta_operator(call, formulation, components, work_dtype, mixer=mixer, core=core, value_pre=value_pre,
                           act_pre=act_pre, v=v, gate=gate, norm=norm, heads=mixer.num_v_heads, head_dim=value_dim,
-                          core_output=core_output(core))
+                          core_output=dplr_output(core))
 
 
 def _core(mixer, h, q, k, work_dtype):

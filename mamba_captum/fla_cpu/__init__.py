@@ -136,16 +136,19 @@ def _op_version(name: str):
     raise FlaSwapError(f"mamba_captum: no torch version of fla's {name} in {[m.__name__ for m in _OP_MODULES]}.")
 
 
+# fla's methods whose own body reaches Triton or refuses a CPU: (module, "Class.method", torch version)
+_METHOD_SWAPS = (
+    ("fla.modules.fused_cross_entropy.ops", "FusedCrossEntropyLoss.forward", fused_cross_entropy_forward),
+    # LogLinearMamba2's forward raises NotImplementedError off CUDA: its own CUDA path with a torch conv (ops_log_linear)
+    ("fla.layers.log_linear_mamba2", "LogLinearMamba2.forward", ops_log_linear.log_linear_mamba2_forward),
+)
+
+
 def _swaps() -> list[FlaSwap]:
     found = [FlaSwap(module, name, getattr(modules, name)) for module, names in _MODULE_SWAPS.items()
              for name in names]
     found += [FlaSwap(module, name, _op_version(name)) for module, names in _OP_SWAPS.items() for name in names]
-    found.append(FlaSwap("fla.modules.fused_cross_entropy.ops", "FusedCrossEntropyLoss.forward",
-                         fused_cross_entropy_forward))
-    # LogLinearMamba2's forward raises NotImplementedError off CUDA: its own CUDA path with a torch conv (ops_log_linear)
-    found.append(FlaSwap("fla.layers.log_linear_mamba2", "LogLinearMamba2.forward",
-                         ops_log_linear.log_linear_mamba2_forward))
-    return found
+    return found + [FlaSwap(module, name, replacement) for module, name, replacement in _METHOD_SWAPS]
 
 
 SWAPS = _swaps
