@@ -344,6 +344,34 @@ def run_hooked(model, ids, mask, handles) -> None:
             handle.remove()
 
 
+def assert_trains_on_cpu_and_explains_both_formulations(model) -> None:
+    """A training step of ``model`` on a left-padded batch inside fla_on_cpu() (fla's layers take their chunked ops
+    when training): its loss is the eval forward's (the fused-recurrent ops, no gradients), every mixer parameter
+    gets a gradient; then hidden and unified maps of both layers, zero at the pads, causal, not all zero."""
+    import mamba_captum as mc
+    from conftest import relative_error
+    ids, mask = padded_batch(length=12)
+    with mc.fla_on_cpu(), torch.no_grad():
+        eval_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    model.train()
+    with mc.fla_on_cpu():
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+    model.eval()
+    assert relative_error(loss.detach(), eval_loss) <= 1e-12
+    for mixer in fla_mixers(model):
+        for name, parameter in mixer.named_parameters():
+            assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
+    for formulation in ("hidden", "unified"):
+        maps = mc.implicit_attention(model, ids, attention_mask=mask, formulation=formulation)
+        assert sorted(maps) == [0, 1]
+        for layer_map in maps.values():
+            assert layer_map.shape == (2, 12, 12)
+            assert layer_map[0, :3].abs().max() == 0 and layer_map[0, :, :3].abs().max() == 0  # pads
+            assert torch.equal(layer_map.triu(1), torch.zeros_like(layer_map))  # causal
+            assert layer_map.abs().max() > 0
+
+
 def assert_a_cpu_training_step_matches_eval(model, ids, tolerance: float, every_weight: bool = True) -> None:
     """A training step of ``model`` on ``ids`` inside fla_on_cpu(): its loss equals the eval forward's (to
     ``tolerance``, relative) and every mixer weight gets a finite gradient, each non-zero (``every_weight``) or at

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import relative_error
-from fla_models import fla_mixers, fla_models, padded_batch, run_hooked, scale_up_mixer_weights
+from fla_models import (assert_trains_on_cpu_and_explains_both_formulations, fla_mixers, fla_models, padded_batch,
+                        run_hooked, scale_up_mixer_weights)
 from test_kernel_delta_rule_states import Float64
 from transformers import AutoModelForCausalLM
 
@@ -350,26 +351,4 @@ def test_a_conv_bias_is_exact_under_padding_for_hidden_and_refused_for_unified()
     ("GatedDeltaProductConfig", dict(num_heads=2, head_dim=8, expand_v=1.0, num_householder=2, use_forget_gate=True)),
 ])
 def test_training_step_on_cpu_and_maps_of_both_formulations(config_class, kwargs):
-    # a training step takes the chunked ops (fla's layers choose chunk when training); its loss is the loss of the
-    # eval forward (the fused-recurrent ops, no gradients) and every mixer parameter gets a gradient
-    model = tiny_model(config_class, **kwargs)
-    ids, mask = padded_batch(length=12)
-    with mc.fla_on_cpu(), torch.no_grad():
-        eval_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-    model.train()
-    with mc.fla_on_cpu():
-        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
-        loss.backward()
-    model.eval()
-    assert relative_error(loss.detach(), eval_loss) <= 1e-12
-    for mixer in fla_mixers(model):
-        for name, parameter in mixer.named_parameters():
-            assert parameter.grad is not None and parameter.grad.abs().max() > 0, name
-    for formulation in ("hidden", "unified"):
-        maps = mc.implicit_attention(model, ids, attention_mask=mask, formulation=formulation)
-        assert sorted(maps) == [0, 1]
-        for layer_map in maps.values():
-            assert layer_map.shape == (2, 12, 12)
-            assert layer_map[0, :3].abs().max() == 0 and layer_map[0, :, :3].abs().max() == 0  # pads
-            assert torch.equal(layer_map.triu(1), torch.zeros_like(layer_map))  # causal
-            assert layer_map.abs().max() > 0
+    assert_trains_on_cpu_and_explains_both_formulations(tiny_model(config_class, **kwargs))
