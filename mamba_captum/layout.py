@@ -82,8 +82,178 @@ class TokenLayout:
         return torch.einsum("hr,brc,wc->bhw", rows, grid, cols)[:, None]
 
 
-def vision_layout(model: nn.Module) -> TokenLayout | None:
-    """The model's :class:`TokenLayout` if it is an image model (it has ``token_layout()``), else None."""
+@dataclass(frozen=True)
+class Stage:
+    """One resolution of a multi-stage image model (VMamba, EfficientViM, MambaOut, MambaVision).
+
+    Attributes:
+        grid: (rows, columns) of the stage's tokens (row-major: token ``r · columns + c``).
+        blocks: how many consecutive entries of the model's ``stage_blocks()`` run at this resolution.
+        downsample: (kernel, stride, padding) of the layer that made this stage's tokens from the previous
+            stage's (a strided conv; patch merging is kernel = stride = 2, padding 0). None for the first stage,
+            whose tokens the stem makes from the pixels.
+    """
+
+    grid: tuple[int, int]
+    blocks: int
+    downsample: tuple[int, int, int] | None = None
+
+    @property
+    def length(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def _window_matrix(fine: tuple[int, int], coarse: tuple[int, int], kernel: int, stride: int,
+                   padding: int) -> torch.Tensor:
+    """(L_coarse, L_fine) float64: row i spreads 1 evenly over the fine tokens inside coarse token i's kernel window
+    (zero padding excluded)."""
+    def axis(n_fine: int, n_coarse: int) -> torch.Tensor:  # (coarse, fine) 0/1: is fine j in coarse i's window
+        start = torch.arange(n_coarse)[:, None] * stride - padding
+        j = torch.arange(n_fine)[None, :]
+        return ((j >= start) & (j < start + kernel)).double()
+
+    rows, cols = axis(fine[0], coarse[0]), axis(fine[1], coarse[1])
+    window = torch.einsum("ar,bc->abrc", rows, cols).reshape(coarse[0] * coarse[1], fine[0] * fine[1])
+    return window / window.sum(-1, keepdim=True)
+
+
+@dataclass(frozen=True)
+class StagedLayout:
+    """The tokens of a multi-stage image model: a grid per stage, each made from the previous one by a strided conv
+    (patch merging), and a head that reads the mean of the last stage's tokens. No CLS token.
+
+    The maps of a block are over its stage's tokens. The explanations cross a downsampling layer by its window: a
+    token of the coarser stage reads the finer tokens inside its kernel window, each with the same weight (the
+    layer's receptive field, row-normalised: :meth:`transition`); relevance on a coarse token is spread so over its
+    window, and the pixel attributions are laid over the first stage's grid.
+
+    Attributes:
+        img_size: (height, width) of the model's images. stages: the :class:`Stage` s in order.
+    """
+
+    img_size: tuple[int, int]
+    stages: tuple[Stage, ...]
+
+    cls_index = None  # the head pools: no CLS token
+    pooled = True
+
+    def __post_init__(self):
+        if not self.stages or self.stages[0].downsample is not None \
+                or any(stage.downsample is None for stage in self.stages[1:]):
+            raise ValueError("mamba_captum: a StagedLayout's first stage comes from the stem (downsample None) and "
+                             "every later stage from a downsampling layer.")
+        for before, after in zip(self.stages, self.stages[1:]):
+            kernel, stride, padding = after.downsample
+            expected = tuple((n + 2 * padding - kernel) // stride + 1 for n in before.grid)
+            if expected != tuple(after.grid):
+                raise ValueError(f"mamba_captum: a {kernel}×{kernel} stride-{stride} downsample with padding "
+                                 f"{padding} makes a {before.grid} grid {expected}, not {after.grid}.")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """The first stage's grid (the finest): the pixel attributions are laid over it."""
+        return self.stages[0].grid
+
+    @property
+    def stride(self) -> int:
+        """Pixels per first-stage token along the rows (the stem's stride)."""
+        return self.img_size[0] // self.grid[0]
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        return (self.img_size[0] // self.grid[0], self.img_size[1] // self.grid[1])
+
+    @property
+    def length(self) -> int:
+        """L of the first stage, the tokens the relevance ends on."""
+        return self.stages[0].length
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(stage.blocks for stage in self.stages)
+
+    def stage_of_block(self, block: int) -> int:
+        """The stage of entry ``block`` of ``stage_blocks()``."""
+        end = 0
+        for index, stage in enumerate(self.stages):
+            end += stage.blocks
+            if block < end:
+                return index
+        raise IndexError(f"mamba_captum: block {block} of {self.num_blocks}.")
+
+    def stage_of_length(self, length: int) -> int:
+        """The stage whose grid holds ``length`` tokens (the stages' lengths differ: every downsample shrinks)."""
+        for index, stage in enumerate(self.stages):
+            if stage.length == length:
+                return index
+        raise ValueError(f"mamba_captum: no stage of this model has {length} tokens "
+                         f"({[stage.length for stage in self.stages]}).")
+
+    def transition(self, stage: int, dtype=torch.float64, device=None) -> torch.Tensor:
+        """(L_stage, L_{stage−1}): how stage ``stage``'s tokens read the previous stage's (its downsample's window,
+        each row summing to 1)."""
+        if stage <= 0:
+            raise ValueError("mamba_captum: the first stage has no transition (the stem reads pixels).")
+        kernel, stride, padding = self.stages[stage].downsample
+        window = _window_matrix(self.stages[stage - 1].grid, self.stages[stage].grid, kernel, stride, padding)
+        return window.to(dtype=dtype, device=device)
+
+    def carry(self, rows: torch.Tensor, to_stage: int = 0) -> torch.Tensor:
+        """Rows over one stage's tokens (..., L_s) -> rows over stage ``to_stage`` ≤ s (..., L_to): each coarse
+        token's value spread evenly over its window, stage by stage (the total is kept)."""
+        stage = self.stage_of_length(rows.shape[-1])
+        if to_stage > stage:
+            raise ValueError(f"mamba_captum: cannot carry rows of stage {stage} up to stage {to_stage}.")
+        for current in range(stage, to_stage, -1):
+            rows = rows @ self.transition(current, rows.dtype, rows.device)
+        return rows
+
+    def as_tokens(self, tensor: torch.Tensor, stage: int) -> torch.Tensor:
+        """A block's tensor over stage ``stage``'s grid as tokens: (B, C, H, W) channel-first, (B, H, W, C)
+        channel-last or (B, L, C) -> (B, L, C), tokens row-major.
+
+        Raises:
+            ValueError: the tensor is not over the stage's grid (or its shape fits both orders)."""
+        rows, cols = self.stages[stage].grid
+        shape = tuple(tensor.shape)
+        if tensor.dim() == 3 and shape[1] == rows * cols:
+            return tensor
+        if tensor.dim() == 4:
+            last, first = shape[1:3] == (rows, cols), shape[2:] == (rows, cols)
+            if last != first:
+                return tensor.reshape(shape[0], rows * cols, shape[3]) if last else tensor.flatten(2).transpose(1, 2)
+        raise ValueError(f"mamba_captum: a block of stage {stage} ({rows}×{cols} tokens) holds a tensor of shape "
+                         f"{shape}, which is not (B, C, {rows}, {cols}), (B, {rows}, {cols}, C) or "
+                         f"(B, {rows * cols}, C) (or fits two of them).")
+
+    def query_weights(self, batch: int, dtype=torch.float32, device=None) -> torch.Tensor:
+        """(B, L_last): the head's read-out, the mean of the last stage's tokens."""
+        length = self.stages[-1].length
+        return torch.full((batch, length), 1.0 / length, dtype=dtype, device=device)
+
+    def patch_grid(self, relevance: torch.Tensor) -> torch.Tensor:
+        """(B, L_0) first-stage relevance -> (B, rows, columns)."""
+        return relevance.reshape(relevance.shape[0], *self.grid)
+
+    def to_pixels(self, relevance: torch.Tensor) -> torch.Tensor:
+        """(B, L_s) relevance over any stage's tokens -> (B, 1, H, W): carried to the first stage, then each token's
+        value at its centre, interpolated bilinearly (as :meth:`TokenLayout.to_pixels`)."""
+        first = self.carry(relevance, 0)
+        flat = TokenLayout(self.grid, None, tuple(self.img_size), self.patch_size, self.stride)
+        return flat.to_pixels(first)
+
+    def stage_to_pixels(self, relevance: torch.Tensor) -> torch.Tensor:
+        """(B, L_s) -> (B, 1, H, W) at the stage's own resolution: its grid interpolated from its token centres
+        (a map of one stage, not carried through the windows)."""
+        stage = self.stages[self.stage_of_length(relevance.shape[-1])]
+        size = (self.img_size[0] // stage.grid[0], self.img_size[1] // stage.grid[1])
+        flat = TokenLayout(tuple(stage.grid), None, tuple(self.img_size), size, size[0])
+        return flat.to_pixels(relevance)
+
+
+def vision_layout(model: nn.Module) -> TokenLayout | StagedLayout | None:
+    """The model's :class:`TokenLayout` (or :class:`StagedLayout`, a multi-stage model) if it is an image model (it
+    has ``token_layout()``), else None."""
     layout = getattr(model, "token_layout", None)
     return layout() if callable(layout) else None
 

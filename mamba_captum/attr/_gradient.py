@@ -61,6 +61,10 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
                 grad = effect_grads.pop(0)
                 if grad is not None:
                     product = (grad * piece).detach()
+                    if product.dim() == 4 and getattr(explained, "staged", False) \
+                            and getattr(call, "located", None) is not None:  # a mixer's grid input: (B, L, C)
+                        product = explained.layout.as_tokens(product, explained.layout.stage_of_block(
+                            call.located.layer))
                     # (B, L, D) mixer input, or (B, H, L, d) queries / keys: summed to (B, L)
                     effect = effect + (product.sum(-1) if product.dim() == 3 else product.sum((1, 3)))
             call.input_effects.append(effect if torch.is_tensor(effect) else None)
@@ -75,8 +79,11 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
         for grad in grads:
             check_finite(grad, "the gradients of the explained scores", explained.model)
         if residual_grads:
+            staged = getattr(explained, "staged", False)
             for i, grad in zip(layers, grads[:len(layers)]):
                 grad = grad[None] if grad.dim() == 2 else grad  # a packed (N, D) stream is one sequence
+                if staged:  # a block's (B, C, H, W) or (B, H, W, C) stream as (B, L, C) tokens
+                    grad = explained.layout.as_tokens(grad, explained.layout.stage_of_block(i))
                 explained.residual_grads.setdefault(i, []).append(grad.detach())
             grads = grads[len(layers):]
         for call, grad in zip(calls, grads):

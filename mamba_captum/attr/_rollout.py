@@ -58,17 +58,39 @@ def minmax(values: torch.Tensor, mask: torch.Tensor, dims=(-1,)) -> torch.Tensor
 
 
 class RunningProduct:
-    """ρ = Ã^Λ ⋯ Ã^s, later layers on the left, built one layer at a time: (B, L, L)."""
+    """ρ = Ã^Λ ⋯ Ã^s, later layers on the left, built one layer at a time: (B, L, L).
 
-    def __init__(self):
+    A multi-stage image model (``layout`` a :class:`mamba_captum.layout.StagedLayout`) mixes fewer tokens at each
+    stage: between two stages ρ takes the downsample's window, ``Ã^{first of s+1} · T_{s+1} · Ã^{last of s}``
+    (``layout.transition``). Its query is pooled, so the factors are kept and the query's row is taken right to
+    left, one (B, L_s) × (B, L_s, L_s) product per layer instead of an L³ matrix product."""
+
+    def __init__(self, layout=None):
         self.product = None
+        self.layout = layout if getattr(layout, "stages", None) is not None else None
+        self.factors: list[torch.Tensor] = []
 
     def push(self, factor: torch.Tensor):
+        if self.layout is not None:
+            self.factors.append(factor)
+            return
         self.product = factor if self.product is None else factor @ self.product
+
+    def _staged_rows(self, weights: torch.Tensor) -> torch.Tensor:
+        """The pooled query's row over the first stage's tokens: weights (B, L_last) · ρ, carried through the
+        downsample windows."""
+        layout, rows = self.layout, weights
+        for factor in reversed(self.factors):
+            if rows.shape[-1] != factor.shape[-1]:  # a later stage's row: spread over the windows down to this one
+                rows = layout.carry(rows.to(factor.dtype), layout.stage_of_length(factor.shape[-1]))
+            rows = torch.einsum("bq,bqj->bj", rows.to(factor.dtype), factor)
+        return layout.carry(rows, 0)
 
     def rows(self, positions: torch.Tensor, length: int, like: torch.Tensor | None = None) -> torch.Tensor:
         """ρ[b, positions[b], :] (B, L); the identity's rows when no layer was pushed."""
         batch = positions.shape[0]
+        if self.layout is not None:
+            raise ValueError("mamba_captum: a multi-stage model's head pools the last stage; it has no query row.")
         if self.product is None:
             eye = torch.eye(length, dtype=torch.float32 if like is None else like.dtype)
             return eye[positions.cpu()].to(positions.device)
@@ -77,6 +99,8 @@ class RunningProduct:
     def weighted_rows(self, weights: torch.Tensor) -> torch.Tensor:
         """Σ_q weights[b, q] ρ[b, q, :] (B, L): the row of a pooled query; ``weights`` itself when no layer was
         pushed (ρ = I)."""
+        if self.layout is not None:
+            return self._staged_rows(weights)
         if self.product is None:
             return weights
         return torch.einsum("bq,bqj->bj", weights.to(self.product.dtype), self.product)

@@ -16,7 +16,7 @@ from .. import families
 from ..capture import LayerCapture
 from ..checks import check_finite, check_forward_devices, check_inputs, check_keywords, underlying_forward
 from ..keys import SharedAttentionKey
-from ..layout import (PackedPatches, check_packed, check_pixels, packed_tower, refuse_attention_mask,
+from ..layout import (PackedPatches, StagedLayout, check_packed, check_pixels, packed_tower, refuse_attention_mask,
                       vision_layout)
 from ..rebuild import captured_forward, kept_components, rebuilt_operators
 from ._gradient import score_gradients
@@ -49,6 +49,21 @@ class Explained:
     queries: list[Query]
     scores: list[torch.Tensor | None] = field(default_factory=list)  # per query: (B, K) explained scores, detached
     residual_grads: dict = field(default_factory=dict)  # layer -> [per query (B, L, D)]
+    layout: object = None  # an image model's TokenLayout / StagedLayout; None for token models
+
+    @property
+    def staged(self) -> bool:
+        """A multi-stage image model: each stage's blocks mix their own number of tokens."""
+        return isinstance(self.layout, StagedLayout)
+
+    def mask_for(self, length: int) -> torch.Tensor:
+        """(B, length): the real tokens of a layer of ``length`` tokens (a stage of a multi-stage model has no
+        padding: all ones)."""
+        if length == self.mask.shape[1]:
+            return self.mask
+        if not self.staged:
+            raise ValueError(f"mamba_captum: a layer of {length} tokens in a sequence of {self.mask.shape[1]}.")
+        return torch.ones(self.batch, length, dtype=self.mask.dtype, device=self.mask.device)
 
     @property
     def batch(self) -> int:
@@ -289,7 +304,7 @@ class Runner:
         finally:
             self._active.discard(capture)
         self._check_tokens_seen(trace, inputs, mask)
-        explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [])
+        explained = Explained(self.model, trace, self.decoder_layers, formulation, kept, mask, [], layout=self.layout)
         grad_mode = torch.set_grad_enabled(need_grad)  # scores are picked from the logits inside the graph
         try:
             if queries is None:
@@ -334,9 +349,13 @@ class Runner:
             ValueError: naming what the layers saw and what the inputs are.
         """
         batch, length = mask.shape
+        staged = isinstance(self.layout, StagedLayout)
         for call in trace.mixer_calls:
             hidden = call.hidden_states
             seen = (1, hidden.shape[0]) if hidden.dim() == 2 else tuple(hidden.shape[:2])  # packed: one sequence
+            if staged:  # each stage's blocks mix that stage's grid
+                stage = self.layout.stage_of_block(call.located.layer)
+                seen, length = tuple(self.layout.as_tokens(hidden, stage).shape[:2]), self.layout.stages[stage].length
             if seen != (batch, length):
                 raise ValueError(
                     f"mamba_captum: the token mixers saw {seen[0]} sequences of {seen[1]} tokens, but the explained "

@@ -89,11 +89,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
     def _relevance(self, explained, options):
         if options["recipe"] == "official":
             return self._official(explained)
-        products = [RunningProduct() for _ in explained.queries]
+        products = [RunningProduct(explained.layout) for _ in explained.queries]
         for record in explained.layers():
             if options["gradient_rule"] == "residual":
                 maps = record.operator.maps(options["reduce"])
-                factors = [maps * residual_scores(grads, query.context(explained.mask))[:, None, :]
+                factors = [maps * residual_scores(grads, query.context(explained.mask_for(grads.shape[1])))[:, None, :]
                            for query, grads in zip(explained.queries, record.residual_grads)]
             else:
                 factors = [record.operator.contributions(grads) / record.operator.value_channels
@@ -107,7 +107,7 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         refuse_pooled(explained.queries)
         rows = unique_positions(explained.queries)
         hidden = explained.formulation == "hidden"
-        products = [RunningProduct() for _ in explained.queries]
+        products = [RunningProduct(explained.layout) for _ in explained.queries]
         for record in explained.layers():
             per_channel = record.operator.maps(None, rows).clamp(min=0)  # (B, C, R, L), relu per channel
             by_position = {p: per_channel[:, :, i] for i, p in enumerate(rows)}

@@ -20,6 +20,8 @@ class MambaRawAttention(ImplicitAttentionMethod):
     """
 
     def _relevance(self, explained, options):
+        if explained.staged:
+            return self._staged(explained, options)
         official = options["recipe"] == "official"
         if official:
             refuse_pooled(explained.queries)
@@ -40,3 +42,22 @@ class MambaRawAttention(ImplicitAttentionMethod):
             relevance = total / count if count else torch.zeros(explained.batch, explained.length)
             out.append(drop_query(relevance, query.positions) if official else relevance)
         return out
+
+    @staticmethod
+    def _staged(explained, options):
+        """A multi-stage model: each layer's map read by the head's pooled query as it falls on that layer's stage
+        (the last stage's mean, spread over the downsample windows: ``layout.carry``), then carried to the first
+        stage's tokens and averaged over the layers."""
+        if options["recipe"] == "official":
+            refuse_pooled(explained.queries)
+        layout = explained.layout
+        sums, count = [0.0] * len(explained.queries), 0
+        for record in explained.layers():
+            reduced = record.operator.maps(options["reduce"])  # (B, L_s, L_s)
+            stage = layout.stage_of_length(reduced.shape[-1])
+            for number, query in enumerate(explained.queries):
+                footprint = layout.carry(query.weights.to(reduced.dtype), stage)  # (B, L_s): the query on stage s
+                row = torch.einsum("bq,bqj->bj", footprint, reduced)
+                sums[number] = sums[number] + layout.carry(row, 0)
+            count += 1
+        return [total / count if count else torch.zeros(explained.batch, explained.length) for total in sums]

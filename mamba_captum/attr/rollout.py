@@ -21,7 +21,7 @@ class MambaRollout(ImplicitAttentionMethod):
     def _relevance(self, explained, options):
         if options["recipe"] == "official":
             return self._official(explained, options)
-        product = RunningProduct()
+        product = RunningProduct(explained.layout)
         for record in explained.layers():
             product.push(rollout_step(record.operator.maps(options["reduce"])))
         return [q.row_of(product, explained.length) for q in explained.queries]
@@ -30,7 +30,7 @@ class MambaRollout(ImplicitAttentionMethod):
     def _official(explained, options):
         refuse_pooled(explained.queries)
         rows = unique_positions(explained.queries)
-        products = [RunningProduct() for _ in explained.queries]
+        products = [RunningProduct(explained.layout) for _ in explained.queries]
         for record in explained.layers():
             reduced = record.operator.maps("mean", rows)  # (B, R, L): the channel-mean query rows, signed
             by_position = {position: reduced[:, index] for index, position in enumerate(rows)}

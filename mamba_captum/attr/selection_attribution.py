@@ -93,14 +93,15 @@ class MambaSelectionAttribution(MambaAttribution):
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
 
     def _relevance(self, explained, options):
-        products = [RunningProduct() for _ in explained.queries]
+        products = [RunningProduct(explained.layout) for _ in explained.queries]
         for record in explained.layers():
             if record.input_effects is None:
                 raise RuntimeError(f"mamba_captum: layer {record.key} gave no gradient at its inputs (the layer "
                                    "input is not part of the graph of the explained scores); please report this.")
             for number, (query, product) in enumerate(zip(explained.queries, products)):
                 contributions = record.operator.contributions(record.operator_grads[number])
-                share = selection_share(contributions, record.input_effects[number], explained.mask)
+                share = selection_share(contributions, record.input_effects[number],
+                                        explained.mask_for(contributions.shape[-1]))
                 factor = spread_share(contributions, share, query, options["spread"])
                 factor = factor / record.operator.value_channels
                 product.push(rollout_step(layer_weights(factor, options["sign"], options["normalise"])))

@@ -59,7 +59,16 @@ class LocatedMixer:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's decoder-layer list (``backbone.layers``, ``model.layers``, ...): the shallowest ModuleList
     named ``layers`` or ``blocks`` in the model's decoder (HF's ``get_decoder()``: the language model of a
-    vision-language model such as Qwen3.5 or GLM-5-Next, whose vision tower's ``blocks`` are just as shallow)."""
+    vision-language model such as Qwen3.5 or GLM-5-Next, whose vision tower's ``blocks`` are just as shallow). A
+    multi-stage image model (:class:`mamba_captum.layout.StagedLayout`) lists its blocks itself: ``stage_blocks()``,
+    every block of every stage in execution order."""
+    stage_blocks = getattr(model, "stage_blocks", None)
+    if callable(stage_blocks):
+        blocks = stage_blocks()
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+            raise TypeError(f"mamba_captum: {type(model).__name__}.stage_blocks() must return a non-empty "
+                            f"nn.ModuleList of the blocks; got {type(blocks).__name__}.")
+        return blocks
     root = model
     try:
         decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
@@ -153,6 +162,8 @@ def locate(model: nn.Module) -> tuple[nn.ModuleList, list[LocatedMixer]]:
                     f"{f' (model type {model_type!r})' if model_type else ''}, which is not supported yet; please "
                     f"report it. Supported mixers: {', '.join(SUPPORTED_MIXERS)}.")
             adapter = adapter_for(type(module).__name__) if claimed(module) else None
+            if adapter is not None and adapter.claims is not None and not adapter.claims(module):
+                adapter = None  # a module of the class that mixes no tokens (a 1×1 conv of a conv class)
             if adapter is not None:
                 # where the mixer sits in its decoder layer may decide how it composes with the others (Inkling's
                 # convolutions after the attention and after the MLP); an adapter refuses a place it does not know

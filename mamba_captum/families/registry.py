@@ -96,6 +96,8 @@ class Adapter:
         layer_schedule: ``layer_schedule(module, N) -> list[int] | None``, a looped model's decoder-layer calls.
         preserved_state: ``preserved_state(model)``, a context manager undoing what a forward changes on the model's
             own modules (RWKV's weight rescaling, RecurrentGemma's cached states).
+        claims: ``claims(module) -> bool``: whether a module of one of MIXER_CLASSES mixes tokens and is the
+            adapter's to explain (None: every one is; a conv class whose 1×1 members mix only channels says no).
         INNER_MIXERS: class name -> submodule paths that the mixer's operator already explains.
         CONSUMES_ATTENTION: True, or the class names, whose operator is built from attention-interface calls.
         ATTENTION_SEGMENTS: one interface call per segment of a packed sequence (all of them make the operator).
@@ -112,6 +114,7 @@ class Adapter:
     follows: Callable | None = None
     layer_schedule: Callable | None = None
     preserved_state: Callable | None = None
+    claims: Callable | None = None
     INNER_MIXERS: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     CONSUMES_ATTENTION: bool | tuple[str, ...] = False
     ATTENTION_SEGMENTS: bool = False
