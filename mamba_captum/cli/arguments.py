@@ -44,8 +44,9 @@ def _common(parser, model_required=True):
     if model_required:
         parser.add_argument("--model", required=True, type=model_path,
                             help="a local HF checkpoint directory (save_pretrained), or demo: the bundled demo model; "
-                            "with --image, a Vision Mamba checkpoint file (.pth; a training.json beside it gives "
-                            "the image size and class names)")
+                            "with --image, an image model's checkpoint file (Vim, VMamba, EfficientViM, MambaOut, "
+                            "MambaVision: .pth or .safetensors; a training.json beside it gives the image size and "
+                            "class names), or an architecture name with --weights")
     parser.add_argument("--formulation", choices=("unified", "hidden"), default="unified")
     parser.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default cpu; under "
                         "accelerate launch with cuda, each process its own GPU)")
@@ -88,10 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
             source.add_argument("--text", action="append", help="a text to explain (repeatable)")
             source.add_argument("--dataset", type=Path, help='a JSONL file, one {"text": ..., "target": ...} a line')
             source.add_argument("--image", action="append", type=Path,
-                                help="an image file (PNG, JPEG, ...) to explain with a Vim checkpoint (repeatable)")
+                                help="an image file (PNG, JPEG, ...) to explain with an image model's checkpoint "
+                                "(repeatable)")
             sub.add_argument("--img-size", type=positive_int, default=None,
                              help="with --image: the Vim's training image size (default: the img_size of the "
                              "training.json beside the checkpoint, else 224)")
+            sub.add_argument("--weights", type=Path, default=None,
+                             help="with --image and an architecture name as --model (vmamba_tiny, efficientvim_m2, "
+                             "mambaout_femto, ...): its weights file (.pth, .safetensors); checked to be that "
+                             "variant's")
             sub.add_argument("--out", type=Path, default=None, help="write an HTML report here")
             sub.add_argument("--jsonl", type=Path, default=None,
                              help="the results as JSONL (default with --dataset: DATASET.explained.jsonl); with "

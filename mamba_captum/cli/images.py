@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sys
 import warnings
@@ -26,9 +27,12 @@ IMAGE_METHOD_NAMES = ("raw", "rollout", "attribution")
 def explain_images_command(args):
     """``explain --image``: every check that needs no model (paths, options, methods, then --device), then the
     library is imported and each image explained."""
+    weights = getattr(args, "weights", None)
+    checkpoint = args.model if weights is None else weights
     # no output may replace the checkpoint, an image or the other output
     check_paths([("--jsonl", args.jsonl), ("--out", args.out)],
-                [("--model", args.model), *(("--image", image) for image in args.image)],
+                [("--model" if weights is None else "--weights", checkpoint),
+                 *(("--image", image) for image in args.image)],
                 [("--offload-folder", args.offload_folder, ())])
     for path in (args.jsonl, args.out):
         if path is not None:
@@ -44,10 +48,16 @@ def explain_images_command(args):
     if args.offload_folder is not None:  # nothing is offloaded without --device-map
         raise UsageError("--offload-folder holds the weights --device-map puts on disk; a Vision Mamba file is loaded "
                          "whole on --device: leave it out.")
-    if Path(args.model).is_dir():
+    if weights is not None:  # --model names the architecture: the file is --weights
+        if os.path.lexists(args.model):
+            raise UsageError(f"--weights goes with an architecture name as --model (vmamba_tiny, efficientvim_m2, "
+                             f"...); {args.model!r} is a file or folder: pass the checkpoint file as --model alone.")
+        if not Path(weights).is_file():
+            raise UsageError(f"no weights file at {str(weights)!r}; pass a .pth or .safetensors file.")
+    elif Path(args.model).is_dir():
         raise UsageError(f"--model {args.model!r} is a folder (an HF checkpoint, which explains --text); --image needs "
                          "a Vision Mamba checkpoint file (.pth).")
-    if not Path(args.model).is_file():  # load_vim_file's words, before the import
+    elif not Path(args.model).is_file():  # load_vim_file's words, before the import
         raise UsageError(f"no Vim checkpoint file at {args.model!r}; pass a .pth file (the weights under 'model').")
     unavailable = [name for name in args.method or () if name not in IMAGE_METHOD_NAMES]
     if unavailable:
@@ -62,7 +72,8 @@ def explain_images_command(args):
     device = "cpu" if args.device is None else args.device
     with _notices():
         try:
-            model = load_vim_file(args.model, device=device, dtype=args.dtype, img_size=args.img_size)
+            model = load_vim_file(checkpoint, device=device, dtype=args.dtype, img_size=args.img_size,
+                                  variant=None if weights is None else args.model)
         except UsageError as error:
             raise UsageError(cli_words(str(error))) from None
     if args.labels:  # class names, in class order
@@ -74,7 +85,7 @@ def explain_images_command(args):
                                       methods=args.method or IMAGE_METHOD_NAMES,
                                       formulation=args.formulation)
     for item in explanations:
-        item.settings["model"] = f"{Path(args.model).name} ({item.settings['model']})"
+        item.settings["model"] = f"{Path(checkpoint).name} ({item.settings['model']})"
         peaks = ", ".join(f"{name} {_peak_pixel(scores)}" for name, scores in item.relevance.items())
         explained = item.target if item.target == item.prediction else \
             f"{item.target} ({probability_text(item.target_probability)})"
@@ -84,7 +95,7 @@ def explain_images_command(args):
         write_atomically(args.jsonl, "".join(json.dumps(item.to_dict()) + "\n" for item in explanations))
         print(f"results: {args.jsonl} ({len(explanations)} lines)")
     if args.out is not None:
-        write_atomically(args.out, render_image_html(explanations, title=f"mamba-captum: {Path(args.model).name}"))
+        write_atomically(args.out, render_image_html(explanations, title=f"mamba-captum: {Path(checkpoint).name}"))
         print(f"report: {args.out}")
 
 

@@ -103,6 +103,9 @@ def explain_command(args):
                          "out.")
     if args.image:
         return explain_images_command(args)
+    if getattr(args, "weights", None) is not None:  # the same: an image model's weights file
+        raise UsageError("--weights applies to --image (an image model's architecture name as --model); an HF "
+                         "checkpoint directory holds its own weights: leave it out.")
     if args.img_size is not None:  # argparse cannot tie it to --image: said, not ignored
         raise UsageError("--img-size applies to --image (a Vision Mamba checkpoint); an HF checkpoint's texts need "
                          "none: leave it out.")

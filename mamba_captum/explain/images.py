@@ -1,5 +1,5 @@
-"""Images in, explanations out: the CLI's and the report's view of a Vim classifier (``mamba-captum explain
---model vim.pth --image cat.jpg``). It sits above the attribution classes, outside the model zoo
+"""Images in, explanations out: the CLI's and the report's view of an image classifier of the zoo (Vim, VMamba,
+EfficientViM, MambaOut, MambaVision: ``mamba-captum explain --model vim.pth --image cat.jpg``). It sits above the attribution classes, outside the model zoo
 (:mod:`mamba_captum.vision`, which depends on the kernels and the token layout only), and is the one module of
 :mod:`mamba_captum.explain` that imports the zoo; ``mamba_captum.vision.explain``, the path users import, re-exports it.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from ..attr import MambaAttribution, MambaRawAttention, MambaRollout
-from ..vision.checkpoints import load_vim
 from ..vision.images import preprocess, to_display
+from ..vision.zoo import load_image_model
 from .loading import DTYPES, UsageError, check_device
 
 METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution}
@@ -51,19 +51,22 @@ class ImageExplanation:
                               for name, scores in self.relevance.items()}, "settings": self.settings}
 
 
-def load_vim_file(path, *, device: str = "cpu", dtype: str = "float32", img_size: int | None = None):
-    """An official-format Vim checkpoint file -> the model in eval mode on ``device`` (a ``training.json`` beside it
-    gives the image size and the class names, as for :func:`mamba_captum.vision.load_vim`). Errors are
-    :class:`UsageError`."""
+def load_vim_file(path, *, device: str = "cpu", dtype: str = "float32", img_size: int | None = None,
+                  variant: str | None = None):
+    """An image model's checkpoint file (Vim, VMamba, EfficientViM, MambaOut or MambaVision, told apart by its keys:
+    :func:`mamba_captum.vision.zoo.load_image_model`) -> the model in eval mode on ``device`` (a ``training.json``
+    beside it gives the image size and the class names). ``variant``: a released variant's name the weights must
+    be. Errors are :class:`UsageError`."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"no Vim checkpoint file at {str(path)!r}; pass a .pth file (the weights under 'model').")
+        raise UsageError(f"no image-model checkpoint file at {str(path)!r}; pass a .pth or .safetensors file.")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}.")
     check_device(device)
+    options = {} if img_size is None else {"img_size": img_size}
     try:
-        model = load_vim(path, img_size=img_size)
-    except (ValueError, FileNotFoundError) as error:
+        model = load_image_model(path, variant=variant, **options)
+    except (ValueError, FileNotFoundError, TypeError) as error:
         raise UsageError(str(error).removeprefix("mamba_captum: ")) from None
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
@@ -106,7 +109,7 @@ def explain_images(model, images, *, target=None, methods=tuple(METHODS), formul
         else:
             flat.append(image)
     images = flat
-    if getattr(model, "num_classes", 1) <= 0 or not isinstance(getattr(model, "head", None), torch.nn.Linear):
+    if getattr(model, "num_classes", 1) <= 0:
         raise UsageError("the model has no classifier head (num_classes=0): there is no class to explain; load a "
                          "checkpoint with its head weights.")
     methods = [methods] if isinstance(methods, str) else list(dict.fromkeys(methods))
@@ -143,5 +146,5 @@ def explain_images(model, images, *, target=None, methods=tuple(METHODS), formul
             probability=float(probabilities[predicted]), target=_class_name(model, explained),
             target_probability=float(probabilities[explained]), relevance=relevance,
             settings={"model": getattr(model, "variant", None) or type(model).__name__,
-                      "formulation": formulation, "CLS token": str(model.cls_position)}))
+                      "formulation": formulation, "CLS token": str(getattr(model, "cls_position", None))}))
     return results

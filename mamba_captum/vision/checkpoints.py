@@ -64,9 +64,10 @@ def vim_base(**overrides) -> VisionMamba:
 
 
 def read_checkpoint(path) -> dict:
-    """The state dict of an official checkpoint file: ``torch.load(path)["model"]`` (or the file itself when it is a
-    plain state dict), loaded with ``weights_only=True`` (the training arguments, an ``argparse.Namespace``, are
-    allowed as data).
+    """The state dict of a checkpoint file: ``torch.load(path)["model"]`` (the official Vim and VMamba files),
+    ``["state_dict"]`` (MambaVision's), the file itself when it is a plain state dict, loaded with
+    ``weights_only=True`` (the training arguments, an ``argparse.Namespace``, are allowed as data); or a
+    ``.safetensors`` file (timm's hub files).
 
     Raises:
         FileNotFoundError; ValueError naming what the file holds when it is not a checkpoint.
@@ -74,6 +75,14 @@ def read_checkpoint(path) -> dict:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"mamba_captum: no checkpoint file at {path!r}.")
+    if path.endswith(".safetensors"):
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return state_dict_of(load_file(path, device="cpu"), path)
+        except SafetensorError as error:
+            raise ValueError(f"mamba_captum: {path!r} is not a readable safetensors file ({error}).") from None
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             checkpoint = torch.load(path, map_location="cpu", weights_only=True)
@@ -82,7 +91,7 @@ def read_checkpoint(path) -> dict:
             f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint ({type(error).__name__}: "
             f"{_plain_first_line(error)}). If you trust the file, load it yourself with "
             "torch.load(path, weights_only=False) and pass checkpoint['model'] to load_vim.") from None
-    return _state_dict_of(checkpoint, path)
+    return state_dict_of(checkpoint, path)
 
 
 def _plain_first_line(error) -> str:
@@ -92,13 +101,21 @@ def _plain_first_line(error) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", lines[0]) if lines else ""
 
 
-def _state_dict_of(checkpoint, source) -> dict:
-    if isinstance(checkpoint, dict) and isinstance(checkpoint.get("model"), dict):
-        checkpoint = checkpoint["model"]
-    if not isinstance(checkpoint, dict) or not all(torch.is_tensor(v) for v in checkpoint.values()):
+def state_dict_of(checkpoint, source) -> dict:
+    """The state dict in a loaded checkpoint: the dict itself when it holds tensors, else its ``"model"`` or
+    ``"state_dict"`` entry; a ``module.`` prefix (DataParallel's) removed.
+
+    Raises:
+        ValueError: naming ``source`` and the keys found, when there is no state dict."""
+    if isinstance(checkpoint, dict):
+        for name in ("model", "state_dict"):
+            if isinstance(checkpoint.get(name), dict):
+                checkpoint = checkpoint[name]
+                break
+    if not isinstance(checkpoint, dict) or not checkpoint or not all(torch.is_tensor(v) for v in checkpoint.values()):
         keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"mamba_captum: {source} holds no Vim state dict (expected tensors, or a dict with the "
-                         f"weights under 'model'; found {keys}).")
+        raise ValueError(f"mamba_captum: {source} holds no state dict (expected tensors, or a dict with the "
+                         f"weights under 'model' or 'state_dict'; found {keys}).")
     return {key.removeprefix("module."): value for key, value in checkpoint.items()}
 
 
@@ -304,7 +321,7 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
         record = read_training_record(checkpoint)
         state = read_checkpoint(checkpoint)
     else:
-        state = _state_dict_of(checkpoint, "the given dict")
+        state = state_dict_of(checkpoint, "the given dict")
     recorded = recorded_img_size(record) if record is not None else None
     if recorded is not None:
         recorded = recorded if isinstance(recorded, int) else tuple(recorded)
