@@ -129,15 +129,21 @@ class StagedLayout:
 
     Attributes:
         img_size: (height, width) of the model's images. stages: the :class:`Stage` s in order.
+        stream: how the blocks hold their residual stream: ``"channels_first"`` (B, C, H, W), ``"channels_last"``
+            (B, H, W, C), ``"tokens"`` (B, L, C), or None (told from the shape, which fails where the width equals
+            a side of the grid).
     """
 
     img_size: tuple[int, int]
     stages: tuple[Stage, ...]
+    stream: str | None = None
 
     cls_index = None  # the head pools: no CLS token
     pooled = True
 
     def __post_init__(self):
+        if self.stream not in (None, "channels_first", "channels_last", "tokens"):
+            raise ValueError(f"mamba_captum: stream={self.stream!r}; choose channels_first, channels_last or tokens.")
         if not self.stages or self.stages[0].downsample is not None \
                 or any(stage.downsample is None for stage in self.stages[1:]):
             raise ValueError("mamba_captum: a StagedLayout's first stage comes from the stem (downsample None) and "
@@ -216,10 +222,12 @@ class StagedLayout:
             ValueError: the tensor is not over the stage's grid (or its shape fits both orders)."""
         rows, cols = self.stages[stage].grid
         shape = tuple(tensor.shape)
-        if tensor.dim() == 3 and shape[1] == rows * cols:
+        if tensor.dim() == 3 and shape[1] == rows * cols and self.stream in (None, "tokens"):
             return tensor
         if tensor.dim() == 4:
             last, first = shape[1:3] == (rows, cols), shape[2:] == (rows, cols)
+            if self.stream == "channels_last" or self.stream == "channels_first":
+                last, first = last and self.stream == "channels_last", first and self.stream == "channels_first"
             if last != first:
                 return tensor.reshape(shape[0], rows * cols, shape[3]) if last else tensor.flatten(2).transpose(1, 2)
         raise ValueError(f"mamba_captum: a block of stage {stage} ({rows}×{cols} tokens) holds a tensor of shape "

@@ -163,3 +163,12 @@ def test_no_hooks_left_and_the_model_unchanged(toy, pixels):
     modules = list(toy.modules())
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
     assert all(torch.equal(before[k], v) for k, v in toy.state_dict().items())
+
+
+def test_a_declared_stream_settles_a_width_equal_to_the_grid():
+    ambiguous = torch.arange(2 * 4 * 4 * 4.0).reshape(2, 4, 4, 4)
+    with pytest.raises(ValueError, match="two of them"):
+        StagedLayout((16, 16), (Stage((4, 4), 1),)).as_tokens(ambiguous, 0)
+    last = StagedLayout((16, 16), (Stage((4, 4), 1),), stream="channels_last").as_tokens(ambiguous, 0)
+    first = StagedLayout((16, 16), (Stage((4, 4), 1),), stream="channels_first").as_tokens(ambiguous, 0)
+    assert torch.equal(last[:, 5], ambiguous[:, 1, 1, :]) and torch.equal(first[:, 5], ambiguous[:, :, 1, 1])

@@ -76,12 +76,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         decoder = None
     if isinstance(decoder, nn.Module) and decoder is not model and any(decoder is m for m in model.modules()):
         root = decoder
-    best = None
+    best, lists = None, []
     for name, module in root.named_modules():
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks") and len(module):
             depth = name.count(".")
+            lists.append((depth, name, module))
             if best is None or depth < best[0]:
                 best = (depth, module)
+    if best is not None:
+        # a multi-stage model (timm's stages.{i}.blocks) has one block list per stage, all as shallow: taking the
+        # first would explain one stage and drop the others; it must list its blocks and stages itself
+        mixing = [name for depth, name, module in lists if depth == best[0] and any(
+            type(m).__name__ in MIXER_FAMILIES for m in module.modules())]
+        if len(mixing) > 1:
+            raise TypeError(
+                f"mamba_captum: {type(model).__name__} mixes tokens in {len(mixing)} block lists ({', '.join(mixing[:4])}"
+                f"{' ...' if len(mixing) > 4 else ''}): a multi-stage model, whose stages the library cannot tell "
+                "from its modules. Explain the library's copy of it: mamba_captum.vision.from_timm(model) for timm's "
+                "EfficientViM and MambaOut (the same weights, checked to give the same logits), or give the model "
+                "stage_blocks() and token_layout() (docs/vision.md).")
     if best is None:
         raise TypeError(
             f"mamba_captum: {type(model).__name__} has no decoder-layer list (a ModuleList named 'layers' or "

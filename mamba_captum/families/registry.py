@@ -32,6 +32,9 @@ FAMILY_MIXERS: dict[str, tuple[str, ...]] = {
     "zamba": ("ZambaMambaMixer",),
     "conv_attention": ("ZayaAttention",),
     "vision_short_conv": ("Lfm3VlVisionShortConv",),
+    "vmamba": ("SS2D",),
+    "mambaout": ("GatedConvBlock",),
+    "efficientvim": ("HSMSSD", "ConvLayer2d"),
     "packed_attention": ("Lfm3VlVisionAttention",),
     "inkling": ("InklingAttention", "InklingShortConvolution"),
     # flash-linear-attention's layers (fla.layers), one adapter each (docs/families/fla.md)

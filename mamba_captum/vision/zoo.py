@@ -62,3 +62,47 @@ def load_image_model(checkpoint, *, variant: str | None = None, **options):
     if plain is not None and found is not None and found.lower().replace("_", "").replace("vssm", "vmamba") != plain:
         raise ValueError(f"mamba_captum: the weights are {found}'s, not {variant}'s (their shapes say so).")
     return model
+
+
+def from_timm(model, *, img_size=None, check: bool = True, tolerance: float = 1e-4):
+    """The library's copy of a timm model (``timm.create_model("efficientvim_m2")``, ``"mambaout_femto"`` ...): the
+    same architecture in :mod:`mamba_captum.vision`, with the timm model's weights, dtype and device, in eval mode.
+    The library explains the copy (timm's modules do not say their stages: see docs/vision.md).
+
+    Args:
+        img_size: the image size to explain at (default: timm's ``pretrained_cfg["input_size"]``, else 224).
+        check: run both on one random image and refuse the copy unless its logits equal timm's within
+            ``tolerance`` (relative to timm's largest logit): a timm release that changed the architecture's math
+            is refused, never explained as the old one.
+
+    Raises:
+        ValueError: not an architecture of the library's, or logits that differ (naming the difference)."""
+    import torch
+
+    state = {key: value.detach() for key, value in model.state_dict().items()}
+    architecture = detect_architecture(state)
+    if img_size is None:
+        size = getattr(model, "pretrained_cfg", {}).get("input_size") if isinstance(
+            getattr(model, "pretrained_cfg", None), dict) else None
+        img_size = tuple(size[1:]) if size else 224
+    parameter = next(model.parameters())
+    copy = loader(architecture)(state, img_size=img_size).to(device=parameter.device, dtype=parameter.dtype).eval()
+    if check:
+        was_training = model.training
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.randn(1, 3, *copy.token_layout().img_size, generator=generator)
+        pixels = pixels.to(device=parameter.device, dtype=parameter.dtype)
+        try:
+            model.eval()
+            with torch.no_grad():
+                theirs, ours = model(pixels), copy(pixels)
+        finally:
+            model.train(was_training)
+        theirs = theirs[0] if isinstance(theirs, (tuple, list)) else theirs
+        scale = float(theirs.abs().max().clamp(min=1e-12))
+        error = float((theirs.float() - ours.float()).abs().max()) / scale
+        if not error <= tolerance:
+            raise ValueError(f"mamba_captum: the library's {architecture} gives other logits than this "
+                             f"{type(model).__name__} (relative difference {error:.2g} > {tolerance:g}): its timm "
+                             "release computes something the library does not; please report the timm version.")
+    return copy
