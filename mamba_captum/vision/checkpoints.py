@@ -63,7 +63,7 @@ def vim_base(**overrides) -> VisionMamba:
     return _build(768, overrides)
 
 
-def read_checkpoint(path) -> dict:
+def read_checkpoint(path, envelopes=("model", "state_dict")) -> dict:
     """The state dict of a checkpoint file: ``torch.load(path)["model"]`` (the official Vim and VMamba files),
     ``["state_dict"]`` (MambaVision's), the file itself when it is a plain state dict, loaded with
     ``weights_only=True`` (the training arguments, an ``argparse.Namespace``, are allowed as data); or a
@@ -80,7 +80,7 @@ def read_checkpoint(path) -> dict:
         from safetensors.torch import load_file
 
         try:
-            return state_dict_of(load_file(path, device="cpu"), path)
+            return state_dict_of(load_file(path, device="cpu"), path, envelopes)
         except SafetensorError as error:
             raise ValueError(f"mamba_captum: {path!r} is not a readable safetensors file ({error}).") from None
     try:
@@ -91,7 +91,7 @@ def read_checkpoint(path) -> dict:
             f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint ({type(error).__name__}: "
             f"{_plain_first_line(error)}). If you trust the file, load it yourself with "
             "torch.load(path, weights_only=False) and pass checkpoint['model'] to load_vim.") from None
-    return state_dict_of(checkpoint, path)
+    return state_dict_of(checkpoint, path, envelopes)
 
 
 def _plain_first_line(error) -> str:
@@ -101,21 +101,22 @@ def _plain_first_line(error) -> str:
     return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", lines[0]) if lines else ""
 
 
-def state_dict_of(checkpoint, source) -> dict:
-    """The state dict in a loaded checkpoint: the dict itself when it holds tensors, else its ``"model"`` or
-    ``"state_dict"`` entry; a ``module.`` prefix (DataParallel's) removed.
+def state_dict_of(checkpoint, source, envelopes=("model", "state_dict")) -> dict:
+    """The state dict in a loaded checkpoint: the dict itself when it holds tensors, else its first entry of
+    ``envelopes`` that is a dict (``"model"``, ``"state_dict"``; EfficientViM's training files put ``"model_ema"``
+    first, as timm does); a ``module.`` prefix (DataParallel's) removed.
 
     Raises:
         ValueError: naming ``source`` and the keys found, when there is no state dict."""
-    if isinstance(checkpoint, dict):
-        for name in ("model", "state_dict"):
+    if isinstance(checkpoint, dict) and not all(torch.is_tensor(v) for v in checkpoint.values()):
+        for name in envelopes:
             if isinstance(checkpoint.get(name), dict):
                 checkpoint = checkpoint[name]
                 break
     if not isinstance(checkpoint, dict) or not checkpoint or not all(torch.is_tensor(v) for v in checkpoint.values()):
         keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
         raise ValueError(f"mamba_captum: {source} holds no state dict (expected tensors, or a dict with the "
-                         f"weights under 'model' or 'state_dict'; found {keys}).")
+                         f"weights under {' or '.join(repr(e) for e in envelopes)}; found {keys}).")
     return {key.removeprefix("module."): value for key, value in checkpoint.items()}
 
 
@@ -196,29 +197,42 @@ def variant_name(config: dict) -> str | None:
     return None
 
 
-def check_float_weights(state: dict) -> None:
-    """Every tensor of a Vim state dict is a floating-point weight (the model has no integer buffers); an integer,
-    boolean or complex tensor would be cast into a float parameter by ``load_state_dict`` without a word.
+def check_float_weights(state: dict, what: str = "a Vim") -> None:
+    """Every tensor of an image model's state dict is a floating-point weight (BatchNorm's step counters,
+    ``num_batches_tracked``, excepted); an integer, boolean or complex tensor would be cast into a float parameter by
+    ``load_state_dict`` without a word. ``what`` names the model in the message ("a Vim", "a VMamba" ...).
 
     Raises:
         ValueError: naming the tensors that are not floating point and their dtypes.
     """
     other = [f"{key} ({str(value.dtype).removeprefix('torch.')})" for key, value in state.items()
-             if not value.is_floating_point()]
+             if not value.is_floating_point() and not (key.endswith("num_batches_tracked")
+                                                       and not value.is_complex() and value.dtype != torch.bool)]
     if other:
         raise ValueError(
             f"mamba_captum: the checkpoint holds {len(other)} tensor{'s' if len(other) > 1 else ''} that "
             f"{'are' if len(other) > 1 else 'is'} not floating point: {', '.join(other[:4])}"
-            f"{f' and {len(other) - 4} more' if len(other) > 4 else ''}. A Vim's weights are all float (float32 in "
-            "the released checkpoints): this is not a Vim model checkpoint, or a quantized one; dequantize it to "
-            "float first.")
+            f"{f' and {len(other) - 4} more' if len(other) > 4 else ''}. {what[0].upper() + what[1:]}'s weights are "
+            f"all float (float32 in the released checkpoints): this is not {what} model checkpoint, or a quantized "
+            "one; dequantize it to float first.")
 
 
-def load_state_dict_strictly(model: VisionMamba, state: dict) -> None:
+def check_dtype(dtype, what: str = "a Vim") -> None:
+    """``dtype=`` of a loader: None or a floating-point torch dtype.
+
+    Raises:
+        ValueError: naming the dtype."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"mamba_captum: dtype={dtype!r}; {what} computes in a floating-point dtype (torch.float32, "
+                         "torch.float16, torch.bfloat16 or torch.float64).")
+
+
+def load_state_dict_strictly(model, state: dict) -> None:
     """``model.load_state_dict(state)`` with an error that names every missing and unexpected key and every shape
-    that differs."""
+    that differs (and the model's class). BatchNorm's ``num_batches_tracked`` may be missing (a training counter,
+    which official loaders skip too)."""
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
+    missing = sorted(key for key in set(own) - set(state) if not key.endswith("num_batches_tracked"))
     unexpected = sorted(set(state) - set(own))
     mismatched = [f"{key} {tuple(state[key].shape)} (model: {tuple(own[key].shape)})"
                   for key in sorted(set(own) & set(state)) if state[key].shape != own[key].shape]
@@ -226,8 +240,9 @@ def load_state_dict_strictly(model: VisionMamba, state: dict) -> None:
         parts = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
                  for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
                                      ("shapes that differ", mismatched)) if keys]
-        raise ValueError("mamba_captum: the checkpoint does not fit this Vim; " + "; ".join(parts) + ".")
-    model.load_state_dict(state)
+        what = "Vim" if isinstance(model, VisionMamba) else type(model).__name__
+        raise ValueError(f"mamba_captum: the checkpoint does not fit this {what}; " + "; ".join(parts) + ".")
+    model.load_state_dict({**{key: own[key] for key in own if key not in state}, **state})
 
 
 def read_training_record(checkpoint) -> dict | None:
@@ -293,6 +308,40 @@ def recorded_img_size(record: dict):
     return record.get("img_size")
 
 
+def training_image_size(checkpoint, record: dict | None, img_size):
+    """The image size to build a model at: ``img_size`` when given (with an :class:`ImageNotice` warning when it
+    differs from the training.json's), else the record's, else None (the loader's default)."""
+    recorded = recorded_img_size(record) if record is not None else None
+    if recorded is None:
+        return img_size
+    recorded = recorded if isinstance(recorded, int) else tuple(recorded)
+    if img_size is None:
+        return recorded
+    if _pair(img_size) != _pair(recorded):
+        file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
+        warnings.warn(f"mamba_captum: img_size={img_size} differs from the img_size {recorded} in {file!r}; "
+                      f"using img_size={img_size}.", ImageNotice, stacklevel=3)
+    return img_size
+
+
+def apply_training_record(model, record: dict | None, checkpoint, num_classes: int) -> None:
+    """The class names (``model.class_names``) and evaluation crop (``model.crop_pct``) a training.json gives.
+
+    Raises:
+        ValueError: the record names another number of classes than the model has."""
+    if record is None:
+        return
+    names = record.get("class_names")
+    if names is not None:
+        if len(names) != num_classes:
+            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
+            raise ValueError(f"mamba_captum: {file!r} has {len(names)} class_names for a model of {num_classes} "
+                             "classes; fix it or remove the names.")
+        model.class_names = list(names)
+    if record.get("crop_pct") is not None:
+        model.crop_pct = float(record["crop_pct"])
+
+
 def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> VisionMamba:
     """Build the Vim that ``checkpoint`` was trained as and load its weights, key for key; eval mode.
 
@@ -322,20 +371,10 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
         state = read_checkpoint(checkpoint)
     else:
         state = state_dict_of(checkpoint, "the given dict")
-    recorded = recorded_img_size(record) if record is not None else None
-    if recorded is not None:
-        recorded = recorded if isinstance(recorded, int) else tuple(recorded)
-        if img_size is None:
-            img_size = recorded
-        elif _pair(img_size) != _pair(recorded):
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            warnings.warn(f"mamba_captum: img_size={img_size} differs from the img_size {recorded} in {file!r}; "
-                          f"using img_size={img_size}.", ImageNotice, stacklevel=2)
+    img_size = training_image_size(checkpoint, record, img_size)
     config = {**detect_config(state, img_size, overrides.get("stride")), **overrides}
     check_float_weights(state)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"mamba_captum: dtype={dtype!r}; a Vim computes in a floating-point dtype (torch.float32, "
-                         "torch.float16, torch.bfloat16 or torch.float64).")
+    check_dtype(dtype)
     if float(config["expand"]).is_integer():
         config["expand"] = int(config["expand"])
     model = VisionMamba(**config)
@@ -344,15 +383,7 @@ def load_vim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides)
     model = model.to(dtype)
     load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
-    names = record.get("class_names") if record is not None else None
-    if names is not None:
-        if len(names) != config["num_classes"]:
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            raise ValueError(f"mamba_captum: {file!r} has {len(names)} class_names for a model of "
-                             f"{config['num_classes']} classes; fix it or remove the names.")
-        model.class_names = list(names)
-    if record is not None and record.get("crop_pct") is not None:
-        model.crop_pct = float(record["crop_pct"])
+    apply_training_record(model, record, checkpoint, config["num_classes"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
-from pathlib import Path
 
-import torch
 
-from .checkpoints import TRAINING_RECORD, read_checkpoint, read_training_record, recorded_img_size, state_dict_of
-from .images import ImageNotice
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly, read_checkpoint,
+                          read_training_record, state_dict_of, training_image_size)
 from .modeling_mambavision import MambaVision, attention_blocks
 
 _SMALL_HEADS = (2, 4, 8, 16)
@@ -225,41 +222,6 @@ def variant_name(config: dict) -> str | None:
     return None
 
 
-def check_weights(state: dict) -> None:
-    """Every tensor is a floating-point weight, except BatchNorm's ``num_batches_tracked`` counters (integers):
-    an integer, boolean or complex weight would be cast into a float parameter by ``load_state_dict`` silently.
-
-    Raises:
-        ValueError: naming the tensors of another dtype."""
-    other = [f"{key} ({str(value.dtype).removeprefix('torch.')})" for key, value in state.items()
-             if not value.is_floating_point() and not (key.endswith("num_batches_tracked")
-                                                       and not value.is_complex() and value.dtype != torch.bool)]
-    if other:
-        raise ValueError(
-            f"mamba_captum: the checkpoint holds {len(other)} tensor{'s' if len(other) > 1 else ''} that "
-            f"{'are' if len(other) > 1 else 'is'} not floating point: {', '.join(other[:4])}"
-            f"{f' and {len(other) - 4} more' if len(other) > 4 else ''}. MambaVision's weights are all float (only "
-            "BatchNorm's num_batches_tracked counts are integers): this is not a MambaVision model checkpoint, or a "
-            "quantized one; dequantize it to float first.")
-
-
-def load_state_dict_strictly(model: MambaVision, state: dict) -> None:
-    """``model.load_state_dict(state)`` with an error naming every missing and unexpected key and every shape that
-    differs. BatchNorm's ``num_batches_tracked`` may be missing (a training counter; the official loader skips it
-    too)."""
-    own = model.state_dict()
-    missing = sorted(key for key in set(own) - set(state) if not key.endswith("num_batches_tracked"))
-    unexpected = sorted(set(state) - set(own))
-    mismatched = [f"{key} {tuple(state[key].shape)} (model: {tuple(own[key].shape)})"
-                  for key in sorted(set(own) & set(state)) if state[key].shape != own[key].shape]
-    if missing or unexpected or mismatched:
-        parts = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
-                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                                     ("shapes that differ", mismatched)) if keys]
-        raise ValueError("mamba_captum: the checkpoint does not fit this MambaVision; " + "; ".join(parts) + ".")
-    model.load_state_dict({**{key: own[key] for key in own if key not in state}, **state})
-
-
 def load_mambavision(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> MambaVision:
     """Build the MambaVision that ``checkpoint`` was trained as and load its weights, key for key; eval mode.
 
@@ -291,16 +253,8 @@ def load_mambavision(checkpoint, *, img_size=None, dtype=None, device=None, **ov
     if isinstance(checkpoint, (str, os.PathLike)):
         record = read_training_record(checkpoint)
     state = mambavision_state(checkpoint)
-    recorded = recorded_img_size(record) if record is not None else None
-    if recorded is not None:
-        recorded = recorded if isinstance(recorded, int) else tuple(recorded)
-        if img_size is None:
-            img_size = recorded
-        elif _pair(img_size) != _pair(recorded):
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            warnings.warn(f"mamba_captum: img_size={img_size} differs from the img_size {recorded} in {file!r}; "
-                          f"using img_size={img_size}.", ImageNotice, stacklevel=2)
-    check_weights(state)
+    img_size = training_image_size(checkpoint, record, img_size)
+    check_float_weights(state, "a MambaVision")
     detected = detect_mambavision_config(state, img_size)
     config = {**detected, **overrides}
     unknown = [key for key in ("num_heads", "window_size") if config[key] is None]
@@ -309,24 +263,14 @@ def load_mambavision(checkpoint, *, img_size=None, dtype=None, device=None, **ov
                          f"{detected['in_dim']}, depths {detected['depths']}); pass "
                          f"{' and '.join(key + '=' for key in unknown)} (one value per level), which the weights "
                          "cannot tell.")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"mamba_captum: dtype={dtype!r}; MambaVision computes in a floating-point dtype "
-                         "(torch.float32, torch.float16, torch.bfloat16 or torch.float64).")
+    check_dtype(dtype, "MambaVision")
     model = MambaVision(**config)
     model = model.to(state["patch_embed.conv_down.0.weight"].dtype if dtype is None else dtype)
     load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
     if model.variant is not None:
         model.crop_pct = VARIANTS[model.variant]["crop_pct"]
-    names = record.get("class_names") if record is not None else None
-    if names is not None:
-        if len(names) != config["num_classes"]:
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            raise ValueError(f"mamba_captum: {file!r} has {len(names)} class_names for a model of "
-                             f"{config['num_classes']} classes; fix it or remove the names.")
-        model.class_names = list(names)
-    if record is not None and record.get("crop_pct") is not None:
-        model.crop_pct = float(record["crop_pct"])
+    apply_training_record(model, record, checkpoint, config["num_classes"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

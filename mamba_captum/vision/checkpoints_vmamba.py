@@ -13,15 +13,12 @@ import argparse
 import math
 import os
 import re
-import warnings
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
-from .checkpoints import (TRAINING_RECORD, check_float_weights, load_state_dict_strictly, read_training_record,
-                          recorded_img_size)
-from .images import ImageNotice
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
+                          read_training_record, training_image_size)
 from .modeling_vmamba import VSSM
 
 _V2 = dict(patch_size=4, ssm_d_state=1, ssm_dt_rank="auto", ssm_conv=3, ssm_conv_bias=False, forward_type="v05_noz",
@@ -225,34 +222,15 @@ def load_vmamba(checkpoint, *, img_size=None, weights: str = "model", dtype=None
         state = read_vmamba_checkpoint(checkpoint, weights)
     else:
         state = vmamba_state_dict(checkpoint, weights=weights)
-    recorded = recorded_img_size(record) if record is not None else None
-    if recorded is not None:
-        recorded = recorded if isinstance(recorded, int) else tuple(recorded)
-        pair = lambda s: (s, s) if isinstance(s, int) else tuple(s)  # noqa: E731
-        if img_size is None:
-            img_size = recorded
-        elif pair(img_size) != pair(recorded):
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            warnings.warn(f"mamba_captum: img_size={img_size} differs from the img_size {recorded} in {file!r}; "
-                          f"using img_size={img_size}.", ImageNotice, stacklevel=2)
-    check_float_weights(state)
+    img_size = training_image_size(checkpoint, record, img_size)
+    check_float_weights(state, "a VMamba")
     config = {**detect_config(state, img_size), **overrides}
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"mamba_captum: dtype={dtype!r}; a VMamba computes in a floating-point dtype (torch.float32, "
-                         "torch.bfloat16 or torch.float64).")
+    check_dtype(dtype, "a VMamba")
     model = VSSM(**config)
     model = model.to(state["patch_embed.0.weight"].dtype if dtype is None else dtype)
     load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
-    names = record.get("class_names") if record is not None else None
-    if names is not None:
-        if len(names) != config["num_classes"]:
-            file = str(Path(os.fspath(checkpoint)).with_name(TRAINING_RECORD))
-            raise ValueError(f"mamba_captum: {file!r} has {len(names)} class_names for a model of "
-                             f"{config['num_classes']} classes; fix it or remove the names.")
-        model.class_names = list(names)
-    if record is not None and record.get("crop_pct") is not None:
-        model.crop_pct = float(record["crop_pct"])
+    apply_training_record(model, record, checkpoint, config["num_classes"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

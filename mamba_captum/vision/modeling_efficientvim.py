@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import Stage, StagedLayout
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
+                          read_checkpoint, read_training_record, state_dict_of, training_image_size)
 
 # timm's registered configurations (efficientvim_m1 .. m4); M4 is evaluated at 256², the others at 224²
 VARIANTS = {
@@ -396,53 +398,20 @@ def efficientvim_m4(**overrides) -> EfficientViM:
 # Checkpoints
 
 
-def _plain_first_line(error) -> str:
-    lines = str(error).splitlines()
-    return re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", lines[0]) if lines else ""
+# where the weights sit in a training checkpoint: timm's order, the EMA weights first
+ENVELOPES = ("model_ema", "model", "state_dict")
 
 
 def read_efficientvim_checkpoint(path) -> dict:
-    """The state dict of an EfficientViM checkpoint file: a ``.safetensors`` file (timm's hub files) or a PyTorch
-    file read with ``weights_only=True`` (the weights alone, or under ``"model_ema"`` / ``"model"`` /
-    ``"state_dict"``: the official training checkpoints nest them so, and timm prefers the EMA weights).
+    """The state dict of an EfficientViM checkpoint file (:func:`mamba_captum.vision.read_checkpoint`): a
+    ``.safetensors`` file (timm's hub files) or a PyTorch file read with ``weights_only=True`` (the weights alone, or
+    under ``"model_ema"`` / ``"model"`` / ``"state_dict"``: the official training checkpoints nest them so, and timm
+    prefers the EMA weights).
 
     Raises:
         FileNotFoundError; ValueError naming what the file holds when it is not a checkpoint.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"mamba_captum: no checkpoint file at {path!r}.")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            return _state_dict_of(load_file(path, device="cpu"), repr(path))
-        except ValueError:
-            raise
-        except Exception as error:  # noqa: BLE001 — a damaged file, whatever safetensors calls it
-            raise ValueError(f"mamba_captum: {path!r} could not be read as a safetensors file "
-                             f"({type(error).__name__}: {_plain_first_line(error)}).") from None
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 — any unpickling failure gets the same advice
-        raise ValueError(f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint "
-                         f"({type(error).__name__}: {_plain_first_line(error)}). If you trust the file, load it "
-                         "yourself with torch.load(path, weights_only=False) and pass its state dict to "
-                         "load_efficientvim.") from None
-    return _state_dict_of(checkpoint, repr(path))
-
-
-def _state_dict_of(checkpoint, source: str) -> dict:
-    if isinstance(checkpoint, dict) and "patch_embed.conv.0.conv.weight" not in checkpoint:
-        for envelope in ("model_ema", "model", "state_dict"):  # timm's order: the EMA weights first
-            if isinstance(checkpoint.get(envelope), dict):
-                checkpoint = checkpoint[envelope]
-                break
-    if not isinstance(checkpoint, dict) or not checkpoint or not all(torch.is_tensor(v) for v in checkpoint.values()):
-        keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"mamba_captum: {source} holds no EfficientViM state dict (expected tensors, or a dict with "
-                         f"the weights under 'model_ema', 'model' or 'state_dict'; found {keys}).")
-    return {key.removeprefix("module."): value for key, value in checkpoint.items()}
+    return read_checkpoint(path, ENVELOPES)
 
 
 def detect_efficientvim_config(state: dict) -> dict:
@@ -515,22 +484,6 @@ def _flatten_norms(state: dict, model: EfficientViM) -> dict:
     return out
 
 
-def load_state_dict_strictly(model: nn.Module, state: dict) -> None:
-    """``model.load_state_dict(state)`` with an error naming every missing and unexpected key and every shape that
-    differs."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    mismatched = [f"{key} {tuple(state[key].shape)} (model: {tuple(own[key].shape)})"
-                  for key in sorted(set(own) & set(state)) if state[key].shape != own[key].shape]
-    if missing or unexpected or mismatched:
-        parts = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
-                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                                     ("shapes that differ", mismatched)) if keys]
-        raise ValueError("mamba_captum: the checkpoint does not fit this EfficientViM; " + "; ".join(parts) + ".")
-    model.load_state_dict(state)
-
-
 def load_efficientvim(checkpoint, *, img_size=None, dtype=None, device=None, **overrides) -> EfficientViM:
     """Build the EfficientViM that ``checkpoint`` holds and load its weights key for key; eval mode.
 
@@ -552,6 +505,7 @@ def load_efficientvim(checkpoint, *, img_size=None, dtype=None, device=None, **o
         ValueError: naming every missing or unexpected key and shape mismatch, tensors that are not floating point,
             a fused model, or why the file is not a checkpoint.
     """
+    record = None
     if isinstance(checkpoint, nn.Module):
         if any(getattr(m, "fused", False) for m in checkpoint.modules()):
             raise ValueError("mamba_captum: this EfficientViM is reparameterised (fused: BatchNorm and the residual "
@@ -559,27 +513,25 @@ def load_efficientvim(checkpoint, *, img_size=None, dtype=None, device=None, **o
                              "timm.models.reparameterize_model.")
         state = {k: v.detach() for k, v in checkpoint.state_dict().items()}
     elif isinstance(checkpoint, (str, os.PathLike)):
+        record = read_training_record(checkpoint)
         state = read_efficientvim_checkpoint(checkpoint)
     else:
-        state = _state_dict_of(checkpoint, "the given dict")
+        state = state_dict_of(checkpoint, "the given dict", ENVELOPES)
     config = detect_efficientvim_config(state)
     variant = variant_name(config)
     config.update(overrides)
     if not config.get("distilled"):
         state = {k: v for k, v in state.items() if not (k.startswith("heads_dist.") or k == "weights_dist")}
+    img_size = training_image_size(checkpoint, record, img_size)
     if img_size is None:
         img_size = VARIANTS[variant.removesuffix("_dist")]["img_size"] if variant else 224
-    other = [f"{key} ({str(value.dtype).removeprefix('torch.')})" for key, value in state.items()
-             if not value.is_floating_point() and not key.endswith("num_batches_tracked")]
-    if other:
-        raise ValueError(f"mamba_captum: the checkpoint holds tensors that are not floating point: "
-                         f"{', '.join(other[:4])}; an EfficientViM's weights are float (dequantize it first).")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"mamba_captum: dtype={dtype!r}; an EfficientViM computes in a floating-point dtype.")
+    check_float_weights(state, "an EfficientViM")
+    check_dtype(dtype, "an EfficientViM")
     model = EfficientViM(img_size=img_size, **config)
     model = model.to(state["patch_embed.conv.0.conv.weight"].dtype if dtype is None else dtype)
     load_state_dict_strictly(model, _flatten_norms(state, model))
     model.variant = variant
+    apply_training_record(model, record, checkpoint, config["num_classes"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from ..layout import Stage, StagedLayout
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
+                          read_checkpoint, read_training_record, state_dict_of, training_image_size)
 
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU}
 
@@ -438,46 +440,15 @@ def _original_names(state: dict) -> dict:
     return renamed
 
 
-def _state_dict_of(checkpoint, source: str) -> dict:
-    for wrapper in ("model", "state_dict"):
-        if isinstance(checkpoint, dict) and isinstance(checkpoint.get(wrapper), dict):
-            checkpoint = checkpoint[wrapper]
-    if not isinstance(checkpoint, dict) or not checkpoint or not all(torch.is_tensor(v) for v in checkpoint.values()):
-        keys = list(checkpoint)[:5] if isinstance(checkpoint, dict) else type(checkpoint).__name__
-        raise ValueError(f"mamba_captum: {source} holds no MambaOut state dict (expected tensors, or a dict with the "
-                         f"weights under 'model' or 'state_dict'; found {keys}).")
-    return _original_names({key.removeprefix("module."): value for key, value in checkpoint.items()})
-
-
 def read_mambaout_checkpoint(path) -> dict:
-    """The state dict of a MambaOut checkpoint file, timm's key names: a ``.safetensors`` file (timm's hub files,
-    ``model.safetensors``) or a PyTorch file read with ``weights_only=True`` (the weights alone, or under
-    ``"model"`` / ``"state_dict"``; the original repository's names are renamed to timm's).
+    """The state dict of a MambaOut checkpoint file (:func:`mamba_captum.vision.read_checkpoint`: a
+    ``.safetensors`` file, timm's hub files, or a PyTorch file read with ``weights_only=True``), in timm's key names
+    (the original repository's are renamed as timm renames them).
 
     Raises:
         FileNotFoundError; ValueError naming what the file holds when it is not a checkpoint.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"mamba_captum: no checkpoint file at {path!r}.")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        try:
-            state = load_file(path, device="cpu")
-        except Exception as error:  # noqa: BLE001 — a damaged file, whatever safetensors calls it
-            raise ValueError(f"mamba_captum: {path!r} could not be read as a safetensors file "
-                             f"({type(error).__name__}: {error}).") from None
-        return _state_dict_of(state, repr(path))
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # noqa: BLE001 — any unpickling failure gets the same advice
-        first = str(error).splitlines()[0] if str(error) else ""
-        first = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", first)
-        raise ValueError(f"mamba_captum: {path!r} could not be read as a weights-only PyTorch checkpoint "
-                         f"({type(error).__name__}: {first}). If you trust the file, load it yourself with "
-                         "torch.load(path, weights_only=False) and pass its state dict to load_mambaout.") from None
-    return _state_dict_of(checkpoint, repr(path))
+    return _original_names(read_checkpoint(path))
 
 
 def _ratio(what: str, dims: tuple[int, ...], counts: list[int]) -> float:
@@ -576,38 +547,26 @@ def load_mambaout(checkpoint, *, img_size=None, dtype=None, device=None, **overr
         ValueError: naming every missing or unexpected key and shape mismatch, the tensors that are not floating
             point, a dtype that is not floating point, or why the file is not a checkpoint.
     """
+    record = None
     if isinstance(checkpoint, (str, os.PathLike)):
+        record = read_training_record(checkpoint)
         state = read_mambaout_checkpoint(checkpoint)
     else:
-        state = _state_dict_of(checkpoint, "the given dict")
+        state = _original_names(state_dict_of(checkpoint, "the given dict"))
     config = detect_mambaout_config(state)
     name = variant_name(config)
     if name is not None and "act_layer" in VARIANTS[name]:
         config["act_layer"] = VARIANTS[name]["act_layer"]
+    img_size = training_image_size(checkpoint, record, img_size)
     config = {**config, **overrides, "img_size": 224 if img_size is None else img_size}
-    other = [f"{key} ({str(value.dtype).removeprefix('torch.')})" for key, value in state.items()
-             if not value.is_floating_point()]
-    if other:
-        raise ValueError(f"mamba_captum: the checkpoint holds tensors that are not floating point: "
-                         f"{', '.join(other[:4])}{f' and {len(other) - 4} more' if len(other) > 4 else ''}. A "
-                         "MambaOut's weights are all float: this is not a MambaOut checkpoint, or a quantized one.")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"mamba_captum: dtype={dtype!r}; MambaOut computes in a floating-point dtype.")
+    check_float_weights(state, "a MambaOut")
+    check_dtype(dtype, "MambaOut")
     model = MambaOut(**config)
     model = model.to(state["stem.conv1.weight"].dtype if dtype is None else dtype)
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    mismatched = [f"{key} {tuple(state[key].shape)} (model: {tuple(own[key].shape)})"
-                  for key in sorted(set(own) & set(state)) if state[key].shape != own[key].shape]
-    if missing or unexpected or mismatched:
-        parts = [f"{label} ({len(keys)}): {', '.join(keys[:8])}{' ...' if len(keys) > 8 else ''}"
-                 for label, keys in (("missing keys", missing), ("unexpected keys", unexpected),
-                                     ("shapes that differ", mismatched)) if keys]
-        raise ValueError("mamba_captum: the checkpoint does not fit this MambaOut; " + "; ".join(parts) + ".")
-    model.load_state_dict(state)
+    load_state_dict_strictly(model, state)
     model.variant = variant_name(config)
     model.crop_pct = _CROP_PCT.get(model.variant, 1.0)
+    apply_training_record(model, record, checkpoint, config["num_classes"])
     if device is not None:
         model = model.to(device=device)
     return model.eval()

@@ -48,25 +48,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.selective_scan import selective_scan
+from ..kernels.windows import grid_to_windows, windows_to_grid
 from ..layout import Stage, StagedLayout
 
 
 # -- windows ------------------------------------------------------------------------------------------------------
-def grid_to_windows(grid: torch.Tensor, window: int) -> torch.Tensor:
-    """(B, H, W, C) channel-last grid -> (B · nW, window², C): the windows in row-major order of windows, each
-    window's tokens row-major within it. H and W must be multiples of ``window``."""
-    batch, height, width, channels = grid.shape
-    rows, cols = height // window, width // window
-    tiles = grid.reshape(batch, rows, window, cols, window, channels).transpose(2, 3)  # (B, rows, cols, wh, ww, C)
-    return tiles.reshape(batch * rows * cols, window * window, channels)
-
-
-def windows_to_grid(windows: torch.Tensor, window: int, height: int, width: int) -> torch.Tensor:
-    """The inverse of :func:`grid_to_windows`: (B · nW, window², C) -> (B, H, W, C)."""
-    rows, cols, channels = height // window, width // window, windows.shape[-1]
-    batch = windows.shape[0] // (rows * cols)
-    tiles = windows.reshape(batch, rows, cols, window, window, channels).transpose(2, 3)  # (B, rows, wh, cols, ww, C)
-    return tiles.reshape(batch, height, width, channels)
+# grid_to_windows / windows_to_grid: the window order the adapters scatter the windows' operators back with
+# (mamba_captum.kernels.windows), re-exported here beside the official helpers' contracts.
 
 
 def window_partition(x: torch.Tensor, window: int) -> torch.Tensor:
@@ -168,6 +156,7 @@ class MambaVisionMixer(nn.Module):
         half = self.d_inner // 2
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.window_size = window_size
+        self.level_grid = None  # the level's grid before its padding to whole windows (set by MambaVision)
         self.in_proj = nn.Linear(d_model, self.d_inner, bias=bias)
         self.x_proj = nn.Linear(half, self.dt_rank + 2 * d_state, bias=False)
         self.dt_proj = nn.Linear(self.dt_rank, half, bias=True)
@@ -218,6 +207,7 @@ class MambaVisionAttention(nn.Module):
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
         self.window_size = window_size
+        self.level_grid = None  # as MambaVisionMixer's
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
@@ -374,6 +364,12 @@ class MambaVision(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
+        # each windowed mixer knows its level's grid before the padding to whole windows: an operator over a padded
+        # grid (padding tokens mixed with the real ones) is not over the StagedLayout's tokens (the adapter refuses it)
+        for grid, level in zip(self.stage_grids(), self.levels):
+            for block in level.blocks:
+                if hasattr(block, "mixer"):
+                    block.mixer.level_grid = grid
 
     @staticmethod
     def _init_weights(module):
