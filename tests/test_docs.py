@@ -38,7 +38,7 @@ def test_notebook_runs(path, tmp_path):
 # what the README's opening paragraph calls each family of the adapter registry
 README_INTRO_NAMES = {
     "mamba": ["Mamba,", "Jamba", "FalconH1"], "mamba2": ["Mamba-2", "Bamba", "Zamba2", "NemotronH", "Granite-4"],
-    "rwkv": ["RWKV-4"], "recurrent_gemma": ["Griffin (RecurrentGemma)"], "vim": ["Vision Mamba (Vim)"], "vmamba": ["VMamba"],
+    "rwkv": ["RWKV-4"], "recurrent_gemma": ["Griffin (RecurrentGemma)"], "vim": ["Vision Mamba (Vim)"], "vmamba": ["VMamba"], "mambavision": ["MambaVision"],
     "efficientvim": ["EfficientViM"], "mambaout": ["MambaOut"],
     "gated_deltanet": ["gated delta-nets", "Qwen3-Next", "Qwen3.5", "OLMo-hybrid", "LaraMini"],
     "kda": ["KDA", "Kimi Linear", "Bailing hybrid", "GLM-5-Next"], "lightning": ["MiniMax's lightning attention"],

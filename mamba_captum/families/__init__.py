@@ -78,15 +78,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         root = decoder
     best, lists = None, []
     for name, module in root.named_modules():
-        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "blocks") and len(module):
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and name.rsplit(".", 1)[-1] in ("layers", "blocks") \
+                and len(module):
             depth = name.count(".")
             lists.append((depth, name, module))
-            if best is None or depth < best[0]:
+            if isinstance(module, nn.ModuleList) and (best is None or depth < best[0]):
                 best = (depth, module)
-    if best is not None:
+    if lists:
         # a multi-stage model (timm's stages.{i}.blocks) has one block list per stage, all as shallow: taking the
         # first would explain one stage and drop the others; it must list its blocks and stages itself
-        mixing = [name for depth, name, module in lists if depth == best[0] and any(
+        shallowest = min(depth for depth, _, _ in lists)
+        mixing = [name for depth, name, module in lists if depth == shallowest and any(
             type(m).__name__ in MIXER_FAMILIES for m in module.modules())]
         if len(mixing) > 1:
             raise TypeError(

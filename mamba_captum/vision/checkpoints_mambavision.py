@@ -254,6 +254,9 @@ def load_mambavision(checkpoint, *, img_size=None, dtype=None, device=None, **ov
         record = read_training_record(checkpoint)
     state = mambavision_state(checkpoint)
     img_size = training_image_size(checkpoint, record, img_size)
+    config = (record or {}).get("config") if isinstance((record or {}).get("config"), dict) else {}
+    # what no shape tells (the heads, the windows) from the training record, for a model trained at another size
+    overrides = {**{key: config[key] for key in ("num_heads", "window_size") if key in config}, **overrides}
     check_float_weights(state, "a MambaVision")
     detected = detect_mambavision_config(state, img_size)
     config = {**detected, **overrides}

@@ -281,7 +281,7 @@ def efficientvim_layout(model: nn.Module, img_size) -> StagedLayout:
     grids = stage_grids(size, len(model.stages))
     return StagedLayout(img_size=size, stages=tuple(
         Stage(grid=grid, blocks=len(stage.blocks), downsample=None if i == 0 else DOWNSAMPLE_WINDOW)
-        for i, (grid, stage) in enumerate(zip(grids, model.stages))))
+        for i, (grid, stage) in enumerate(zip(grids, model.stages))), stream="channels_first")
 
 
 def efficientvim_blocks(model: nn.Module) -> nn.ModuleList:

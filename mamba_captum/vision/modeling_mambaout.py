@@ -317,7 +317,7 @@ class MambaOut(nn.Module):
                 rows, cols = _halved(rows), _halved(cols)
             stages.append(Stage(grid=(rows, cols), blocks=len(stage.blocks),
                                 downsample=None if index == 0 else (3, 2, 1)))
-        return StagedLayout(img_size=self.img_size, stages=tuple(stages))
+        return StagedLayout(img_size=self.img_size, stages=tuple(stages), stream="channels_last")
 
     def stage_blocks(self) -> nn.ModuleList:
         """Every :class:`GatedConvBlock` of every stage, in execution order (a new list, not registered on the model:

@@ -376,7 +376,8 @@ class VSSM(nn.Module):
         window = DOWNSAMPLE_WINDOWS[self.downsample_version]
         stages = tuple(Stage(grid=grid, blocks=depth, downsample=None if index == 0 else window)
                        for index, (grid, depth) in enumerate(zip(self.grids(), self.depths)))
-        return StagedLayout(img_size=self.img_size, stages=stages)
+        return StagedLayout(img_size=self.img_size, stages=stages,
+                            stream="channels_first" if self.channel_first else "channels_last")
 
     def stage_blocks(self) -> nn.ModuleList:
         """Every VSS block of every stage in execution order (a new list, not registered on the model)."""
