@@ -363,7 +363,7 @@ def test_token_layout_and_stage_blocks_describe_the_forward():
     model = tiny_model()
     layout = model.token_layout()
     assert layout == StagedLayout(img_size=(64, 64), stages=(
-        Stage((16, 16), 1), Stage((8, 8), 1, (3, 2, 1)), Stage((4, 4), 3, (3, 2, 1)), Stage((2, 2), 2, (3, 2, 1))))
+        Stage((16, 16), 1), Stage((8, 8), 1, (3, 2, 1)), Stage((4, 4), 3, (3, 2, 1)), Stage((2, 2), 2, (3, 2, 1))), stream="channels_first")
     keys = list(model.state_dict())
     blocks = model.stage_blocks()
     assert list(model.state_dict()) == keys and len(blocks) == layout.num_blocks == 7

@@ -7,6 +7,7 @@ Shapes: B batch, L tokens, D model width, K classes / vocabulary, Q queries (one
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
@@ -353,9 +354,13 @@ class Runner:
         for call in trace.mixer_calls:
             hidden = call.hidden_states
             seen = (1, hidden.shape[0]) if hidden.dim() == 2 else tuple(hidden.shape[:2])  # packed: one sequence
-            if staged:  # each stage's blocks mix that stage's grid
+            if staged:  # each stage's blocks mix that stage's grid; a mixer may take it in another channel order
                 stage = self.layout.stage_of_block(call.located.layer)
-                seen, length = tuple(self.layout.as_tokens(hidden, stage).shape[:2]), self.layout.stages[stage].length
+                try:
+                    tokens = self.layout.as_tokens(hidden, stage)
+                except ValueError:
+                    tokens = dataclasses.replace(self.layout, stream=None).as_tokens(hidden, stage)
+                seen, length = tuple(tokens.shape[:2]), self.layout.stages[stage].length
             if seen != (batch, length):
                 raise ValueError(
                     f"mamba_captum: the token mixers saw {seen[0]} sequences of {seen[1]} tokens, but the explained "

@@ -35,6 +35,7 @@ FAMILY_MIXERS: dict[str, tuple[str, ...]] = {
     "vmamba": ("SS2D",),
     "mambaout": ("GatedConvBlock",),
     "efficientvim": ("HSMSSD", "ConvLayer2d"),
+    "mambavision": ("MambaVisionMixer", "MambaVisionAttention", "MambaVisionConvBlock"),
     "packed_attention": ("Lfm3VlVisionAttention",),
     "inkling": ("InklingAttention", "InklingShortConvolution"),
     # flash-linear-attention's layers (fla.layers), one adapter each (docs/families/fla.md)

@@ -36,6 +36,7 @@ from __future__ import annotations
 from ..kernels.bands import band_entries, banded_maps, causal_band, causal_neighbours, skip_taps, sparse_conv
 from ..kernels.reductions import REDUCTIONS, reduce_channels
 from .common import masked_tokens, operator_output_grad
+from .channel_conv import ChannelConvOperator
 from .composite import ChannelBlocksOperator, ComposedOperator, SumOperator
 from .decay import DecayOperator
 from .heads import (DeltaProductCore, DeltaRuleCore, DenseCore, DPLRCore, GatedLinearCore, GatedScoresCore,
@@ -43,10 +44,11 @@ from .heads import (DeltaProductCore, DeltaRuleCore, DenseCore, DPLRCore, GatedL
 from .routed import RoutedCore, RoutedMemoriesOperator, gather_slots, scatter_slots
 from .selective import BidirectionalOperator, SelectiveOperator, SSDOperator
 from .softmax import SoftmaxOperator
+from .windowed import WindowedOperator
 
-__all__ = ["REDUCTIONS", "BidirectionalOperator", "ChannelBlocksOperator", "ComposedOperator", "DecayOperator",
-           "DPLRCore", "DeltaProductCore", "DeltaRuleCore", "DenseCore", "GatedLinearCore", "GatedScoresCore",
+__all__ = ["REDUCTIONS", "BidirectionalOperator", "ChannelBlocksOperator", "ChannelConvOperator", "ComposedOperator",
+           "DecayOperator", "DPLRCore", "DeltaProductCore", "DeltaRuleCore", "DenseCore", "GatedLinearCore", "GatedScoresCore",
            "HeadOperator", "ParallelBandCore", "RoutedCore", "RoutedMemoriesOperator", "SSDOperator",
-           "SelectiveOperator", "SoftmaxOperator", "SumOperator",
+           "SelectiveOperator", "SoftmaxOperator", "SumOperator", "WindowedOperator",
            "band_entries", "banded_maps", "causal_band", "causal_neighbours", "gate_norm_rows", "gather_slots",
            "masked_tokens", "operator_output_grad", "reduce_channels", "scatter_slots", "skip_taps", "sparse_conv"]

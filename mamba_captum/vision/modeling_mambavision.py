@@ -397,7 +397,7 @@ class MambaVision(nn.Module):
         similar), each made by a 3×3 stride-2 padding-1 conv from the previous one."""
         stages = tuple(Stage(grid=grid, blocks=len(level.blocks), downsample=None if index == 0 else (3, 2, 1))
                        for index, (grid, level) in enumerate(zip(self.stage_grids(), self.levels)))
-        return StagedLayout(img_size=self.img_size, stages=stages)
+        return StagedLayout(img_size=self.img_size, stages=stages, stream="channels_first")
 
     def stage_blocks(self) -> nn.ModuleList:
         """Every block of every level in execution order (a new, unregistered list: the state dict is unchanged)."""
