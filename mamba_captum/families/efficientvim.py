@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..layout import PackedPatches
 from ..operators import DenseCore, HeadOperator, sparse_conv
-from .common import run
+from .common import batch_norm_affine, run, same_conv_kernel
 
 MIXER_CLASSES = ("HSMSSD", "ConvLayer2d")
 INNER_MIXERS = {"HSMSSD": ("dw",)}  # the gates' depthwise conv is part of HSMSSD's operator
@@ -149,27 +149,11 @@ def _hsmssd(mixer, hidden, formulation, components, work_dtype):
 
 
 def _batch_norm_affine(norm, channels: int):
-    """(scale, shift) float64 (C,) of an eval-mode BatchNorm2d (or of none: 1, 0).
-
-    Raises:
-        ValueError: the norm uses batch statistics (train mode, or no running statistics)."""
+    """(scale, shift) float64 (C,) of an eval-mode BatchNorm2d, or of none: 1, 0."""
     if norm is None:
         ones = torch.ones(channels, dtype=torch.float64)
         return ones, torch.zeros_like(ones)
-    if not isinstance(norm, torch.nn.BatchNorm2d):
-        raise TypeError(f"mamba_captum: an EfficientViM ConvLayer2d normalised by {type(norm).__name__}; only "
-                        "BatchNorm2d (an affine per channel in eval mode) is supported.")
-    if norm.training or norm.running_mean is None:
-        raise ValueError("mamba_captum: a ConvLayer2d's BatchNorm2d uses batch statistics (train mode): its output "
-                         "then depends on the other images of the batch, which no per-image operator describes. "
-                         "Explain the model in eval mode (model.eval()).")
-    scale = norm.running_var.double().add(norm.eps).rsqrt()
-    if norm.weight is not None:
-        scale = scale * norm.weight.double()
-    shift = -norm.running_mean.double() * scale
-    if norm.bias is not None:
-        shift = shift + norm.bias.double()
-    return scale, shift
+    return batch_norm_affine(norm, "an EfficientViM ConvLayer2d")
 
 
 def _check_depthwise(module) -> tuple[int, int]:
@@ -183,14 +167,10 @@ def _check_depthwise(module) -> tuple[int, int]:
         raise TypeError("mamba_captum: this EfficientViM is reparameterised (timm's fuse(): the BatchNorm and the "
                         "residual folded into the depthwise convs, so the block's residual is inside the conv); "
                         "explain the model before timm.models.reparameterize_model.")
-    kh, kw = conv.kernel_size
-    expected = dict(stride=(1, 1), dilation=(1, 1), padding=(kh // 2, kw // 2), padding_mode="zeros")
-    actual = dict(stride=tuple(conv.stride), dilation=tuple(conv.dilation), padding=tuple(conv.padding),
-                  padding_mode=conv.padding_mode)
-    if actual != expected or kh % 2 == 0 or kw % 2 == 0 or module.act is not None:
-        raise TypeError(f"mamba_captum: a depthwise ConvLayer2d that is not a stride-1, 'same' zero-padded conv with "
-                        f"an odd kernel and no activation (kernel {conv.kernel_size}, {actual}, act "
-                        f"{type(module.act).__name__ if module.act is not None else None}); not supported.")
+    if module.act is not None:
+        raise TypeError(f"mamba_captum: a depthwise ConvLayer2d with an activation ({type(module.act).__name__}); "
+                        "not supported.")
+    kh, kw = same_conv_kernel(conv, "a depthwise ConvLayer2d")
     return kh, kw
 
 

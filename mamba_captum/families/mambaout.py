@@ -30,30 +30,13 @@ from torch import nn
 
 from ..layout import PackedPatches
 from ..operators import HeadOperator, sparse_conv
-from .common import linear_readout, run
+from .common import linear_readout, run, same_conv_kernel
 
 MIXER_CLASSES = ("GatedConvBlock",)
 # why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = ("MambaLRP explains token models; MambaOut's gated conv blocks (an image model without an SSM) are "
                    "not covered")
 NONCAUSAL = True  # the 2-D conv reads both sides of each token on the grid
-
-
-def _check_geometry(conv) -> int:
-    """The kernel K of a depthwise, stride-1, dilation-1, 'same' zero-padded K × K Conv2d with odd K.
-
-    Raises:
-        TypeError: naming what differs (the band would not describe it)."""
-    kh, kw = conv.kernel_size
-    expected = dict(stride=(1, 1), dilation=(1, 1), padding=(kh // 2, kw // 2), padding_mode="zeros",
-                    groups=conv.in_channels)
-    actual = dict(stride=tuple(conv.stride), dilation=tuple(conv.dilation), padding=tuple(conv.padding),
-                  padding_mode=conv.padding_mode, groups=conv.groups)
-    if actual != expected or kh != kw or kh % 2 == 0 or conv.out_channels != conv.in_channels:
-        raise TypeError(f"mamba_captum: GatedConvBlock's conv is not a depthwise, stride-1, 'same' zero-padded conv "
-                        f"with a square odd kernel (kernel {conv.kernel_size}, {actual}); this variant is not "
-                        "supported.")
-    return kh
 
 
 def _check_deterministic(block) -> None:
@@ -109,7 +92,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                         f"{tuple(hidden.shape)}.")
     _check_block(block)
     _check_deterministic(block)
-    kernel = _check_geometry(block.conv)
+    kernel, _ = same_conv_kernel(block.conv, "GatedConvBlock's conv", square=True)
     batch, rows, cols, _ = hidden.shape
     length = rows * cols
     _, plain, conv_channels = (int(n) for n in block.split_indices)

@@ -49,7 +49,7 @@ from ..kernels.windows import check_whole_windows, grid_to_windows, window_order
 from ..operators import (ChannelBlocksOperator, ChannelConvOperator, SelectiveOperator, SoftmaxOperator,
                          WindowedOperator)
 from ..operators.permuted import PermutedSumOperator
-from .common import linear_readout, run
+from .common import batch_norm_affine, linear_readout, run, same_conv_kernel
 
 MIXER_CLASSES = ("MambaVisionMixer", "MambaVisionAttention", "MambaVisionConvBlock")
 # why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
@@ -216,27 +216,7 @@ def _attention(attention, hidden, formulation, components, work_dtype):
 # -- the conv blocks -------------------------------------------------------------------------------------------------
 def _check_conv_block(block) -> None:
     for conv in (block.conv1, block.conv2):
-        k = conv.kernel_size[0]
-        if (conv.kernel_size != (k, k) or k % 2 == 0 or tuple(conv.stride) != (1, 1) or conv.groups != 1
-                or tuple(conv.dilation) != (1, 1) or tuple(conv.padding) != (k // 2, k // 2)
-                or conv.padding_mode != "zeros" or conv.in_channels != conv.out_channels):
-            raise TypeError(f"mamba_captum: MambaVisionConvBlock's {conv} is not a full stride-1 'same' zero-padded "
-                            "conv with a square odd kernel (the released blocks'); not supported.")
-    for norm in (block.norm1, block.norm2):
-        if not isinstance(norm, nn.BatchNorm2d) or norm.running_mean is None:
-            raise TypeError(f"mamba_captum: MambaVisionConvBlock's {norm} is not a BatchNorm2d with running "
-                            "statistics; not supported.")
-
-
-def _batch_norm_affine(norm):
-    """Eval-mode BatchNorm as ``s ⊙ y + t`` (C,), float64."""
-    scale = torch.rsqrt(norm.running_var.double() + norm.eps)
-    if norm.weight is not None:
-        scale = scale * norm.weight.double()
-    shift = -norm.running_mean.double() * scale
-    if norm.bias is not None:
-        shift = shift + norm.bias.double()
-    return scale, shift
+        same_conv_kernel(conv, f"MambaVisionConvBlock's {conv}", depthwise=False, square=True)
 
 
 def _gelu_gain(u: torch.Tensor, act) -> torch.Tensor:
@@ -251,8 +231,8 @@ def _conv_block(block, hidden, formulation, components, work_dtype):
     _check_conv_block(block)
     batch, channels, rows, cols = hidden.shape
     x = hidden.detach().double()
-    s1, t1 = _batch_norm_affine(block.norm1)
-    s2, t2 = _batch_norm_affine(block.norm2)
+    s1, t1 = batch_norm_affine(block.norm1, "MambaVisionConvBlock")
+    s2, t2 = batch_norm_affine(block.norm2, "MambaVisionConvBlock")
     bias = lambda conv: torch.zeros(channels, dtype=torch.float64, device=x.device) \
         if conv.bias is None else conv.bias.double()  # noqa: E731
     c1, c2 = s1 * bias(block.conv1) + t1, s2 * bias(block.conv2) + t2

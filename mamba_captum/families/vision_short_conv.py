@@ -23,29 +23,12 @@ import torch
 
 from ..operators import HeadOperator, sparse_conv
 from ..layout import PackedPatches
-from .common import linear_readout, run
+from .common import linear_readout, run, same_conv_kernel
 
 MIXER_CLASSES = ("Lfm3VlVisionShortConv",)
 # why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
 LRP_UNSUPPORTED = "MambaLRP explains token models; the vision towers over packed patches are not covered"
 NONCAUSAL = True  # the conv reads both sides of each patch on the grid
-
-
-def _check_geometry(conv) -> tuple[int, int]:
-    """The (kh, kw) of a depthwise, stride-1, dilation-1, 'same' zero-padded Conv2d with odd kernels.
-
-    Raises:
-        TypeError: naming what differs (the band would not describe it)."""
-    kh, kw = conv.kernel_size
-    expected = dict(stride=(1, 1), dilation=(1, 1), padding=(kh // 2, kw // 2), padding_mode="zeros",
-                    groups=conv.in_channels)
-    actual = dict(stride=tuple(conv.stride), dilation=tuple(conv.dilation), padding=tuple(conv.padding),
-                  padding_mode=conv.padding_mode, groups=conv.groups)
-    if actual != expected or kh % 2 == 0 or kw % 2 == 0 or conv.out_channels != conv.in_channels:
-        raise TypeError(f"mamba_captum: Lfm3VlVisionShortConv's spatial_conv is not a depthwise, stride-1, 'same' "
-                        f"zero-padded conv with an odd kernel (kernel {conv.kernel_size}, {actual}); this variant is "
-                        "not supported.")
-    return kh, kw
 
 
 def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dtype):
@@ -66,7 +49,7 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     length, width = hidden.shape
     if layout.length != length:
         raise ValueError(f"mamba_captum: grid_thw holds {layout.length} patches, the layer received {length}.")
-    kernel = _check_geometry(mixer.spatial_conv)
+    kernel = same_conv_kernel(mixer.spatial_conv, "Lfm3VlVisionShortConv's spatial_conv")
     neighbours = layout.neighbours(kernel, hidden.device)  # (K², N)
     taps = mixer.spatial_conv.weight[:, 0].reshape(width, -1).to(work_dtype)  # (D, K²), the same tap order
     in_gate, out_gate, x = run(mixer.in_proj, hidden).to(work_dtype)[None].chunk(3, dim=-1)  # (1, N, D) each
