@@ -14,20 +14,22 @@ class LayerPartKey(str):
 
     ORDER = 2  # relative to the int key of the same layer (1)
 
-    def __new__(cls, layer: int, part: str):
+    def __new__(cls, layer: int, part: str, position: int = 0):
         key = super().__new__(cls, f"{layer}.{part}")
-        key.layer, key.part = int(layer), str(part)
+        key.layer, key.part, key.position = int(layer), str(part), int(position)
         return key
 
-    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index and the part
-        return (self.layer, self.part)
+    def __getnewargs__(self):  # pickle / deepcopy rebuild it from the layer index, the part and its position
+        return (self.layer, self.part, self.position)
 
     @staticmethod
     def _rank(key):
+        # ``position``: the part's place among its layer's mixers in execution order (EfficientViM's dwconv1, mixer,
+        # dwconv2: the names alone would sort dwconv2 before the mixer)
         if isinstance(key, LayerPartKey):
-            return (key.layer, key.ORDER, key.part)
+            return (key.layer, key.ORDER, key.position, key.part)
         if isinstance(key, int) and not isinstance(key, bool):
-            return (key, 1, "")
+            return (key, 1, 0, "")
         return None
 
     def _compare(self, other, op):

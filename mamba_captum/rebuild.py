@@ -192,7 +192,7 @@ def rebuilt_operators(model, trace, decoder_layers, formulation, kept, attention
             for number in range(len(parts)):
                 name, operator, error, call = parts[number]
                 parts[number] = None  # the float64 operator is not kept alive while the caller uses the cast one
-                key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1])
+                key = index if number == 0 else LayerPartKey(index, name.split(".", 1)[1], number)
                 grads, operator = _operator_grads(operator, call), operator.to(work_dtype)
                 if whole:  # the maps' kernels, where they are made
                     check_maps(f"layer {key} ({name})", operator, dtype, token_mask, call.located.module)

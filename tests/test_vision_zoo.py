@@ -130,3 +130,9 @@ def test_the_cli_takes_an_architecture_name_with_weights(tmp_path, capsys):
     code, out, err = run_main(capsys, "explain", "--model", "demo", "--weights", tmp_path / "femto.pth",
                               "--text", "a text")
     assert code == 2 and "--weights applies to --image" in err
+
+
+def test_the_maps_of_a_block_with_several_mixers_come_in_execution_order():
+    maps = mc.implicit_attention(small("efficientvim"), torch.randn(1, 3, 64, 64))
+    assert list(maps)[:4] == [0, "0.mixer", "0.dwconv2", 1]  # dwconv1 (the block's key), the mixer, dwconv2
+    assert sorted(maps) == list(maps)
