@@ -108,8 +108,9 @@ def read_results(path: Path) -> list[dict]:
 
 
 def read_image_results(path: Path) -> dict:
-    """The ``images.json`` the image suite wrote (``--report-only`` rewrites the report from it), checked as far as
-    the report reads it: a JSON object with the lists ``models`` and ``rows`` and the ``command`` string.
+    """The ``images.json`` the image suite wrote (``--report-only`` rewrites the report from it; ``--arch`` keeps the
+    other architectures' rows from it), checked as far as the report reads it: a JSON object with the lists
+    ``models`` and ``rows``, the ``command`` string and, if there, the ``commands`` of each architecture.
 
     Raises:
         ValueError: naming the file, what is wrong and the fix.
@@ -130,6 +131,11 @@ def read_image_results(path: Path) -> dict:
             raise ValueError(f"{path} has no {kind} {key!r}; {advice}.")
     if not all(isinstance(item, dict) for item in data["models"] + data["rows"]):
         raise ValueError(f"{path} holds a model or row that is not a JSON object; {advice}.")
+    commands = data.get("commands", {})  # per architecture: the command that scored it and its seconds
+    if not isinstance(commands, dict) or not all(isinstance(v, dict) and isinstance(v.get("command"), str)
+                                                 for v in commands.values()):
+        raise ValueError(f"{path} has 'commands' that are not {{architecture: {{'command': ..., 'seconds': ...}}}}; "
+                         f"{advice}.")
     return data
 
 
