@@ -1,11 +1,15 @@
-"""Benchmark: Vision Mamba at 224² on CPU: one forward, one forward + backward, all 24 layers' implicit-attention
-maps (mean-reduced, unified and hidden), and the three Captum methods, on randomly initialised official
-architectures (Vim-S and Vim-Ti, stride 16: L = 197 tokens), batch 1, float32.
+"""Benchmark: vision SSMs at 224² on CPU: one forward, one forward + backward, all layers' implicit-attention maps
+(mean-reduced, unified and hidden), and the three Captum methods, on randomly initialised official architectures,
+batch 1, float32: Vision Mamba (Vim-S and Vim-Ti, stride 16: L = 197 tokens) and the multi-stage models VMamba-T,
+EfficientViM-M2, MambaOut-femto (and MambaVision-T: ``mambavision_tiny``), whose L column lists the stages' token
+counts (e.g. 3136/784/196/49).
 
-Each measurement is the median of ``--repeats`` runs after one warm-up run, in this process, with torch's default
-thread count (2 on the project's machine). Target (issue 17): maps and MambaAttribution each under 5 s for Vim-S.
+Each measurement is the median of ``--repeats`` runs after one warm-up run, in this process, with ``--threads``
+threads (default: torch's, 2 on the project's machine). Targets: maps and MambaAttribution each under 5 s for Vim-S
+(issue 17) and for VMamba-T and EfficientViM-M2 (issue 35).
 
-Run:  python benchmarks/bench_vision.py [--models small tiny] [--repeats 3] [--stride 16]
+Run:  python benchmarks/bench_vision.py [--models small tiny vmamba_tiny efficientvim_m2 mambaout_femto]
+          [--repeats 3] [--stride 16] [--threads 2]
 """
 from __future__ import annotations
 
@@ -17,9 +21,13 @@ import time
 import torch
 
 import mamba_captum as mc
+from mamba_captum import vision
 from mamba_captum.vision import vim_small, vim_tiny
 
-FACTORIES = {"small": vim_small, "tiny": vim_tiny}
+VIM = {"small": vim_small, "tiny": vim_tiny}
+# multi-stage models at their 224² defaults: (factory name in mamba_captum.vision, row name)
+STAGED = {"vmamba_tiny": "VMamba-T", "efficientvim_m2": "EfficientViM-M2", "mambaout_femto": "MambaOut-femto",
+          "mambavision_tiny": "MambaVision-T"}
 
 
 def timed(function, repeats: int) -> float:
@@ -45,17 +53,20 @@ def forward_backward(model, pixels):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", nargs="+", default=["small", "tiny"], choices=sorted(FACTORIES))
+    parser.add_argument("--models", nargs="+", default=["small", "tiny"], choices=sorted(VIM) + sorted(STAGED))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--stride", type=int, default=16)
+    parser.add_argument("--stride", type=int, default=16, help="Vim's patch stride")
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print("| model | L | forward | forward + backward | maps (unified, 24 layers) | maps (hidden) | MambaRawAttention "
+    print("| model | L | forward | forward + backward | maps (unified, all layers) | maps (hidden) | MambaRawAttention "
           "| MambaRollout | MambaAttribution | MambaAttribution (residual) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
         torch.manual_seed(0)
-        model = FACTORIES[name](stride=args.stride).eval()
+        model = VIM[name](stride=args.stride).eval() if name in VIM else getattr(vision, name)().eval()
         pixels = torch.randn(1, 3, 224, 224)
         runs = {
             "forward": lambda: no_grad(model, pixels),
@@ -69,9 +80,11 @@ def main():
                                                                                 gradient_rule="residual"),
         }
         times = {key: timed(run, args.repeats) for key, run in runs.items()}
-        length = model.token_layout().length
-        print(f"| Vim-{name[0].upper()}{name[1:]} | {length} | " + " | ".join(f"{t:.2f} s" for t in times.values())
-              + " |", flush=True)
+        layout = model.token_layout()
+        stages = getattr(layout, "stages", None)
+        length = "/".join(str(s.grid[0] * s.grid[1]) for s in stages) if stages else layout.length
+        label = STAGED.get(name) or f"Vim-{name[0].upper()}{name[1:]}"
+        print(f"| {label} | {length} | " + " | ".join(f"{t:.2f} s" for t in times.values()) + " |", flush=True)
 
 
 if __name__ == "__main__":

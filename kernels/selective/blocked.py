@@ -444,10 +444,9 @@ class _Blocked:
         for batch, acc in zip(self.plan, block_acc):
             n_rows, n_cols = acc.shape[-2:]
             self._scatter(buf, batch, n_rows, n_cols).add_(acc.view(self.batch, batch.n_blocks, n_rows, n_cols))
-        out = self._crop(buf)
-        if reduce == "mean":
-            out = out / self.channels
-        return out.contiguous()
+        if reduce == "mean":  # in place: a fresh (B, L, L) quotient of the strided crop costs a slow extra pass
+            buf.div_(self.channels)
+        return self._crop(buf).contiguous()
 
     def _channel_maps(self, reduce) -> Tensor:
         """Per-channel H_c (reduce None) or mean_c |H_c| ("abs_mean"): per-channel GEMMs (inner dimension N)."""
