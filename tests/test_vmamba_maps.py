@@ -160,3 +160,17 @@ def test_the_gated_channel_last_model_runs_through_the_engine():
     maps = mc.implicit_attention(model, pixels_of(1).float(), reduce="abs_mean")
     assert [tuple(m.shape) for m in maps.values()] == [(1, 64, 64), (1, 16, 16), (1, 4, 4), (1, 4, 4), (1, 1, 1)]
     assert all(bool((m >= 0).all()) for m in maps.values())
+
+
+def test_a_non_square_grid_passes_the_engines_own_checks():
+    # the fast path lays each scan's lines with one inactive token between them: a grid whose rows and columns
+    # differ exercises both line lengths; the engine checks y = H x and the maps' rows against the layer itself
+    torch.manual_seed(3)
+    model = vmamba_tiny(dims=8, depths=(1, 1, 1, 1), img_size=(24, 40), num_classes=3, ssm_d_state=2).double().eval()
+    pixels = torch.randn(2, 3, 24, 40, dtype=torch.float64)
+    maps = mc.implicit_attention(model, pixels)
+    assert tuple(maps[0].shape) == (2, 60, 60)
+    single = mc.implicit_attention(model, pixels[1:])
+    assert torch.allclose(single[0][0], maps[0][1], atol=1e-12)
+    relevance = mc.MambaAttribution(model).attribute(pixels, target=1)
+    assert relevance.shape == (2, 1, 24, 40) and bool(torch.isfinite(relevance).all())
