@@ -259,6 +259,18 @@ class StagedLayout:
         return flat.to_pixels(relevance)
 
 
+def check_image_size(pixel_values: torch.Tensor, img_size: tuple[int, int], fix: str) -> None:
+    """A model built for ``img_size`` (height, width) images refuses pixels of another size (its token layout would
+    not describe the grids the forward runs on).
+
+    Raises:
+        ValueError: naming both sizes and ``fix`` (how to resize, or to rebuild the model)."""
+    height, width = pixel_values.shape[-2:]
+    if (height, width) != tuple(img_size):
+        raise ValueError(f"mamba_captum: the image is {height}×{width}; this model takes {img_size[0]}×{img_size[1]} "
+                         f"({fix}).")
+
+
 def vision_layout(model: nn.Module) -> TokenLayout | StagedLayout | None:
     """The model's :class:`TokenLayout` (or :class:`StagedLayout`, a multi-stage model) if it is an image model (it
     has ``token_layout()``), else None."""

@@ -8,6 +8,7 @@ the image size and the class names.
 """
 from __future__ import annotations
 
+import functools
 import argparse
 import json
 import math
@@ -152,6 +153,17 @@ def _stride(patches: int, patch, img_size, stride, guessed_size: bool) -> int:
     raise ValueError(f"mamba_captum: no stride without gaps gives {where} (the position embeddings' count); {hint}.")
 
 
+def checkpoint_key(state: dict, key: str, what: str = "a Vim") -> torch.Tensor:
+    """``state[key]``, a key the detection of ``what``'s config needs.
+
+    Raises:
+        ValueError: the key is missing: the state dict is not ``what``'s checkpoint (its first keys named)."""
+    if key not in state:
+        raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not {what} checkpoint (keys start with "
+                         f"{sorted(state)[:4]}).")
+    return state[key]
+
+
 def detect_config(state: dict, img_size=None, stride=None) -> dict:
     """The :class:`VisionMamba` arguments that give ``state``'s keys and shapes.
 
@@ -162,11 +174,7 @@ def detect_config(state: dict, img_size=None, stride=None) -> dict:
     Raises:
         ValueError: a key the detection needs is missing, or the shapes fit no Vim.
     """
-    def need(key):
-        if key not in state:
-            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not a Vim checkpoint (keys start "
-                             f"with {sorted(state)[:4]}).")
-        return state[key]
+    need = functools.partial(checkpoint_key, state, what="a Vim")
 
     proj = need("patch_embed.proj.weight")  # (D, C, patch height, patch width)
     embed_dim, channels, patch = proj.shape[0], proj.shape[1], (proj.shape[2], proj.shape[3])

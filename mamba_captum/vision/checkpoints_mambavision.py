@@ -10,12 +10,14 @@ names.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 
 
-from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly, read_checkpoint,
-                          read_training_record, state_dict_of, training_image_size)
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, checkpoint_key,
+                          load_state_dict_strictly, read_checkpoint, read_training_record, state_dict_of,
+                          training_image_size)
 from .modeling_mambavision import MambaVision, attention_blocks
 
 _SMALL_HEADS = (2, 4, 8, 16)
@@ -158,11 +160,7 @@ def detect_mambavision_config(state: dict, img_size=None) -> dict:
         ValueError: a key the detection needs is missing, or the attention blocks are not where the official model
             puts them.
     """
-    def need(key):
-        if key not in state:
-            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not a MambaVision checkpoint (keys "
-                             f"start with {sorted(state)[:4]}).")
-        return state[key]
+    need = functools.partial(checkpoint_key, state, what="a MambaVision")
 
     stem = need("patch_embed.conv_down.0.weight")  # (in_dim, in_chans, 3, 3)
     dim = need("patch_embed.conv_down.3.weight").shape[0]

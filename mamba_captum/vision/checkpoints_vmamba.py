@@ -9,6 +9,7 @@ detects the variant from the tensors' shapes and loads it key for key. A ``train
 """
 from __future__ import annotations
 
+import functools
 import argparse
 import math
 import os
@@ -17,8 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
-                          read_training_record, training_image_size)
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, checkpoint_key,
+                          load_state_dict_strictly, read_training_record, training_image_size)
 from .modeling_vmamba import VSSM
 
 _V2 = dict(patch_size=4, ssm_d_state=1, ssm_dt_rank="auto", ssm_conv=3, ssm_conv_bias=False, forward_type="v05_noz",
@@ -142,11 +143,7 @@ def detect_config(state: dict, img_size=None) -> dict:
     Raises:
         ValueError: a key the detection needs is missing, or the shapes fit no VMamba.
     """
-    def need(key):
-        if key not in state:
-            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not a VMamba checkpoint (keys start "
-                             f"with {sorted(state)[:4]}).")
-        return state[key]
+    need = functools.partial(checkpoint_key, state, what="a VMamba")
 
     blocks = {}
     for key in state:

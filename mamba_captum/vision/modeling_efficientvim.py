@@ -38,6 +38,7 @@ weights before ``reparameterize_model``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -47,8 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layout import Stage, StagedLayout
-from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
-                          read_checkpoint, read_training_record, state_dict_of, training_image_size)
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, checkpoint_key,
+                          load_state_dict_strictly, read_checkpoint, read_training_record, state_dict_of,
+                          training_image_size)
 
 # timm's registered configurations (efficientvim_m1 .. m4); M4 is evaluated at 256², the others at 224²
 VARIANTS = {
@@ -422,11 +424,7 @@ def detect_efficientvim_config(state: dict) -> dict:
         ValueError: a key the detection needs is missing (not an EfficientViM state dict), or the model is timm's
             reparameterised ("fused") form.
     """
-    def need(key):
-        if key not in state:
-            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not an EfficientViM checkpoint "
-                             f"(keys start with {sorted(state)[:4]}).")
-        return state[key]
+    need = functools.partial(checkpoint_key, state, what="an EfficientViM")
 
     folded = r"stages\.\d+\.(blocks\.\d+|downsample)\.dwconv[12]\.conv\.bias"  # fuse() gives the convs biases
     fused = sorted(key for key in state if re.fullmatch(folded, key))

@@ -13,6 +13,7 @@ The constructors (:func:`mambaout_femto` ...) are timm's registered models; :met
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -22,8 +23,9 @@ import torch
 from torch import nn
 
 from ..layout import Stage, StagedLayout
-from .checkpoints import (apply_training_record, check_dtype, check_float_weights, load_state_dict_strictly,
-                          read_checkpoint, read_training_record, state_dict_of, training_image_size)
+from .checkpoints import (apply_training_record, check_dtype, check_float_weights, checkpoint_key,
+                          load_state_dict_strictly, read_checkpoint, read_training_record, state_dict_of,
+                          training_image_size)
 
 ACTIVATIONS = {"gelu": nn.GELU, "silu": nn.SiLU}
 
@@ -475,11 +477,7 @@ def detect_mambaout_config(state: dict) -> dict:
     Raises:
         ValueError: a key the detection needs is missing, or the shapes fit no MambaOut.
     """
-    def need(key):
-        if key not in state:
-            raise ValueError(f"mamba_captum: the state dict has no {key!r}: it is not a MambaOut checkpoint (keys "
-                             f"start with {sorted(state)[:4]}).")
-        return state[key]
+    need = functools.partial(checkpoint_key, state, what="a MambaOut")
 
     blocks: dict[int, int] = {}
     for key in state:

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..kernels.selective_scan import selective_scan
 from ..kernels.windows import grid_to_windows, windows_to_grid
-from ..layout import Stage, StagedLayout
+from ..layout import Stage, StagedLayout, check_image_size
 
 
 # -- windows ------------------------------------------------------------------------------------------------------
@@ -406,11 +406,8 @@ class MambaVision(nn.Module):
     # -- forward --------------------------------------------------------------------------------------------------
     def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> the pooled features (B, num_features): ``norm`` then the mean over the last grid."""
-        height, width = pixel_values.shape[-2:]
-        if (height, width) != self.img_size:
-            raise ValueError(f"mamba_captum: the image is {height}×{width}; this model takes "
-                             f"{self.img_size[0]}×{self.img_size[1]} (resize it, e.g. with preprocess(image, "
-                             "model=model), or build the model with img_size=).")
+        check_image_size(pixel_values, self.img_size, "resize it, e.g. with preprocess(image, model=model), or build "
+                         "the model with img_size=")
         x = self.patch_embed(pixel_values)
         for level in self.levels:
             x = level(x)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.selective_scan import selective_scan
+from ..layout import check_image_size
 
 CLS_POSITIONS = ("middle", "first", "last", None)
 
@@ -66,11 +67,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, M, D)."""
-        height, width = pixel_values.shape[-2:]
-        if (height, width) != self.img_size:
-            raise ValueError(f"mamba_captum: the image is {height}×{width}; this model takes "
-                             f"{self.img_size[0]}×{self.img_size[1]} (resize it, e.g. with "
-                             "preprocess(image, img_size=model.img_size)).")
+        check_image_size(pixel_values, self.img_size, "resize it, e.g. with preprocess(image, img_size=model.img_size)")
         return self.proj(pixel_values).flatten(2).transpose(1, 2)
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from ..kernels.selective_scan import selective_scan
 from ..kernels.grid_orders import cross_scan_orders
+from ..layout import check_image_size
 
 # the cross-2-D forward types (official SS2Dv0 / SS2Dv2): same parameters, same function, other kernels
 FORWARD_TYPES = ("v0", "v01", "v02", "v03", "v04", "v05", "v2", "v3")
@@ -386,11 +387,8 @@ class VSSM(nn.Module):
     # -- forward --------------------------------------------------------------------------------------------------
     def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> the last stage's tokens, channel-first (B, C_last, rows, cols) or channel-last."""
-        height, width = pixel_values.shape[-2:]
-        if (height, width) != self.img_size:
-            raise ValueError(f"mamba_captum: the image is {height}×{width}; this model takes "
-                             f"{self.img_size[0]}×{self.img_size[1]} (resize it, e.g. with preprocess(image, "
-                             "img_size=model.img_size), or set model.img_size: VMamba takes any size).")
+        check_image_size(pixel_values, self.img_size, "resize it, e.g. with preprocess(image, img_size=model.img_size), "
+                         "or set model.img_size: VMamba takes any size")
         x = self.patch_embed(pixel_values)
         for layer in self.layers:
             x = layer(x)
