@@ -10,6 +10,7 @@ import dataclasses
 import torch
 
 from .checks import NonFiniteError, nonfinite_parameters
+from .operators import select_channels
 from .shared_state import is_library_hook
 
 # Largest accepted relative error (max |rebuilt - real| / max |real|) of a rebuilt layer output, by model dtype:
@@ -186,7 +187,7 @@ def channel_sample(operator, generator):
     if fields is None or (torch.is_tensor(B) and B.dim() == 4 and B.shape[2] > 1):
         return operator
     index = _sampled_channels(operator, generator)
-    return operator if index is None else _select_channels(operator, index)
+    return operator if index is None else select_channels(operator, index)
 
 
 # Largest accepted relative difference between two kernel paths of the same maps (:func:`check_map_paths`), by the
@@ -194,15 +195,6 @@ def channel_sample(operator, generator):
 # rounding only (float32: ~1e-6 measured at L = 1024).
 MAP_PATH_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 MAP_PATH_TOKENS = 128  # the paths are compared on the first tokens: the leaves are causal, their maps a corner
-
-
-def _select_channels(leaf, index: torch.Tensor):
-    changes = {}
-    for name, axis in leaf.CHANNEL_FIELDS.items():
-        value = getattr(leaf, name)
-        if torch.is_tensor(value):
-            changes[name] = value.index_select(axis % value.dim(), index.to(value.device))
-    return dataclasses.replace(leaf, **changes)
 
 
 def first_tokens(leaf, count: int):
@@ -255,7 +247,7 @@ def check_map_paths(name: str, operator, generator) -> float:
         B = getattr(leaf, "B", None)
         one_group = not (torch.is_tensor(B) and B.dim() == 4 and B.shape[2] > 1)  # a head subset must follow groups
         if units > 1 and one_group and leaf.values[0, 0].numel() // units >= MAP_CHECK_STRESSED:
-            leaf = _select_channels(leaf, torch.zeros(1, dtype=torch.long))  # heads of many channels: one is enough
+            leaf = select_channels(leaf, torch.zeros(1, dtype=torch.long))  # heads of many channels: one is enough
         length = leaf.values.shape[1]
         rows = map_check_rows(length, leaf.values.device)
         per_channel = leaf.maps(None, rows)  # (B, C, R, L)

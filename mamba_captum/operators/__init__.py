@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from ..kernels.bands import band_entries, banded_maps, causal_band, causal_neighbours, skip_taps, sparse_conv
 from ..kernels.reductions import REDUCTIONS, reduce_channels
-from .common import masked_tokens, operator_output_grad
+from .common import masked_tokens, operator_output_grad, select_channels
 from .channel_conv import ChannelConvOperator
 from .composite import ChannelBlocksOperator, ComposedOperator, SumOperator
 from .decay import DecayOperator
@@ -51,4 +51,5 @@ __all__ = ["REDUCTIONS", "BidirectionalOperator", "ChannelBlocksOperator", "Chan
            "HeadOperator", "ParallelBandCore", "RoutedCore", "RoutedMemoriesOperator", "SSDOperator",
            "SelectiveOperator", "SoftmaxOperator", "SumOperator", "WindowedOperator",
            "band_entries", "banded_maps", "causal_band", "causal_neighbours", "gate_norm_rows", "gather_slots",
-           "masked_tokens", "operator_output_grad", "reduce_channels", "scatter_slots", "skip_taps", "sparse_conv"]
+           "masked_tokens", "operator_output_grad", "reduce_channels", "scatter_slots", "select_channels", "skip_taps",
+           "sparse_conv"]

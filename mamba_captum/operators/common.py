@@ -48,3 +48,15 @@ class CastMixin:
         changes = {f.name: getattr(self, f.name).detach().to(dtype) for f in fields(self)
                    if torch.is_tensor(getattr(self, f.name)) and getattr(self, f.name).is_floating_point()}
         return replace(self, **changes)
+
+
+def select_channels(operator, index: torch.Tensor):
+    """``operator`` restricted to the channels ``index`` (a dataclass operator with ``CHANNEL_FIELDS``: field name ->
+    its channel axis): a copy whose per-channel tensors hold those channels only."""
+    changes = {}
+    for name, axis in operator.CHANNEL_FIELDS.items():
+        value = getattr(operator, name)
+        if torch.is_tensor(value):
+            changes[name] = value.index_select(axis % value.dim(), index.to(value.device))
+    return replace(operator, **changes)
+

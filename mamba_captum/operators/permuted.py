@@ -20,13 +20,13 @@ both reversed, :func:`mamba_captum.kernels.grid_orders.cross_scan_orders`) with 
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..kernels.selective import selective_maps
+from .common import select_channels
 
 
 # ~elements of one per-channel block of maps when "abs_mean" goes through the channels in blocks
@@ -41,16 +41,6 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     return inverse
-
-
-def _select_channels(op, index: torch.Tensor):
-    """``op`` restricted to the channels ``index`` (through its ``CHANNEL_FIELDS``)."""
-    changes = {}
-    for name, axis in op.CHANNEL_FIELDS.items():
-        value = getattr(op, name)
-        if torch.is_tensor(value):
-            changes[name] = value.index_select(axis % value.dim(), index.to(value.device))
-    return dataclasses.replace(op, **changes)
 
 
 @dataclass
@@ -201,7 +191,7 @@ class PermutedSumOperator:
         return total / channels
 
     def _channel_block(self, index):
-        return replace(self, parts=[(order, _select_channels(op, index)) for order, op in self.parts],
+        return replace(self, parts=[(order, select_channels(op, index)) for order, op in self.parts],
                        values=self.values.index_select(-1, index),
                        output=None if self.output is None else self.output.index_select(-1, index),
                        conv_weight=None if self.conv_weight is None else self.conv_weight.index_select(0, index),
