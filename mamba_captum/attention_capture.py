@@ -86,6 +86,7 @@ class AttentionCall:
     output: torch.Tensor | None = None  # (B, L, Hq, d) the interface's real output
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
     input_effects: list | None = None  # per target, (B, L) gradient × input at query and key (selection-aware)
+    row_effects: list | None = None  # per target, (B, L, L) the same per output row (selection share placed exactly)
 
 
 ATTENTION_OPTIONS = ("sliding_window", "softcap", "is_causal", "position_bias", "sinks", "cu_seq_lens_q",

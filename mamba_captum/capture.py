@@ -40,6 +40,7 @@ class MixerCall:
     unfused: bool = False  # True when out_proj ran as a module (the hookable, unfused path)
     output_grads: list | None = None  # gradients of targets with respect to ``output``, set by gradient methods
     input_effects: list | None = None  # per target, (B, L) gradient × input at hidden_states (selection-aware)
+    row_effects: list | None = None  # per target, (B, L, L) the same per output row (selection share placed exactly)
     options: dict = field(default_factory=dict)  # the mixer's other keyword arguments (e.g. position_ids)
     # submodules that carry the user's hooks: (path, module, input before any pre-hook, output after every hook)
     hooked: list = field(default_factory=list)

@@ -170,3 +170,77 @@ def test_the_selection_share_finds_what_the_value_path_misses_on_conjunction():
             roc = metrics.localisation_scores(relevance, task.relevant, exclude=fixed)["roc_auc"]
             scores[method.__name__] = torch.nanmean(roc).item()
     assert scores["MambaSelectionAttribution"] >= 0.99 and scores["MambaAttribution"] <= 0.85, scores
+
+
+def explained_rows(model, ids, mask=None):
+    runner = Runner(model)
+    explained = runner.run(ids, attention_mask=mask, targets=TARGET, operator_grads=True, input_effects="rows")
+    return explained, list(explained.layers())
+
+
+def test_row_effects_are_the_jacobian_rows_times_the_inputs():
+    from mamba_captum.attr._gradient import row_effects
+
+    # a small non-linear map of two pieces, one (B, L, D) and one (B, H, L, d), against autograd's full Jacobian
+    generator = torch.Generator().manual_seed(5)
+    u = torch.randn(2, 4, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    k = torch.randn(2, 2, 4, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    weight = torch.randn(3, 5, dtype=torch.float64, generator=generator)
+    causal = torch.tril(torch.ones(4, 4, dtype=torch.float64))
+
+    def mixer(u, k):
+        scores = torch.tanh(u @ k.sum(1).transpose(1, 2)) * causal  # (B, L, L), data-dependent
+        return (scores @ u).sin() @ weight  # (B, L, 5)
+
+    output = mixer(u, k)
+    grad = torch.randn(output.shape, dtype=torch.float64, generator=generator)
+    effects = row_effects(output, (u, k), grad)
+    ju, jk = torch.autograd.functional.jacobian(mixer, (u.detach(), k.detach()))  # (B, L, 5, B, ...)
+    expected = torch.zeros(2, 4, 4, dtype=torch.float64)
+    for b in range(2):
+        for i in range(4):
+            row_u = torch.einsum("e,eld->ld", grad[b, i], ju[b, i, :, b])  # (L, D)
+            row_k = torch.einsum("e,ehld->hld", grad[b, i], jk[b, i, :, b])  # (H, L, d)
+            expected[b, i] = (row_u * u[b].detach()).sum(-1) + (row_k * k[b].detach()).sum((0, 2))
+    assert torch.allclose(effects, expected, rtol=1e-10, atol=1e-12)
+    # the rows sum to gradient × input, the input effects
+    total = torch.autograd.grad(output, (u, k), grad)
+    assert torch.allclose(effects.sum(1), (total[0] * u).sum(-1) + (total[1] * k).sum((1, 3)), rtol=1e-10)
+
+
+@pytest.mark.parametrize("family", ["mamba", "jamba"])
+def test_the_exact_placement_sums_to_the_input_effects_and_is_the_query_spread_at_the_last_layer(family):
+    from mamba_captum.attr.selection_attribution import exact_share
+
+    model = make_model(family, dtype=torch.float64)
+    ids = torch.randint(3, 60, (2, 9), generator=torch.Generator().manual_seed(6))
+    explained, records = explained_rows(model, ids)
+    kinds = set()
+    for record in records:
+        contributions = record.operator.contributions(record.operator_grads[0])
+        exact = exact_share(contributions, record.row_effects[0], explained.mask, record.effects_include_values)
+        share = selection_share(contributions, record.input_effects[0], explained.mask, record.effects_include_values)
+        # every placement puts the same total on each column: the value path plus the selection share
+        total = contributions.sum(1) + share
+        assert (exact.sum(1) - total).abs().max() <= 1e-8 * total.abs().max(), record.key
+        kinds.add(record.effects_include_values)
+    assert kinds == ({True, False} if family == "jamba" else {True})  # Jamba's attention layer: queries and keys
+    last = records[-1]
+    contributions = last.operator.contributions(last.operator_grads[0])
+    exact = exact_share(contributions, last.row_effects[0], explained.mask)
+    share = selection_share(contributions, last.input_effects[0], explained.mask)
+    query_spread = spread_share(contributions, share, explained.queries[0], "query")
+    assert (exact - query_spread).abs().max() <= 1e-8 * query_spread.abs().max()
+
+
+def test_the_exact_spread_batches_and_pads_like_the_others():
+    model = make_model("jamba")
+    ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0
+    method = mc.MambaSelectionAttribution(model)
+    batched = method.attribute(ids, attention_mask=mask, target=TARGET, spread="exact")
+    single = method.attribute(ids[1:], target=TARGET, spread="exact")
+    unpadded = method.attribute(ids[:1, 3:], target=TARGET, spread="exact")
+    assert torch.allclose(batched[1:], single, atol=1e-5)
+    assert torch.allclose(batched[0, 3:], unpadded[0], atol=1e-5) and batched[0, :3].abs().max() == 0

@@ -16,8 +16,9 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
     """The gradients of each query's target score that a method asks for, stored where the methods read them:
     ``residual_grads``, (B, L, D) at the residual stream entering each of ``layers``
     (``explained.residual_grads``); ``operator_grads``, at each recorded call's output (``call.output_grads``);
-    ``input_effects``, (B, L) Σ_features gradient × input at each call's inputs (``call.input_effects``).
-    ``queries``: per query, (positions (B,), scores (B, K), targets (B,)). float16 graphs are loss-scaled
+    ``input_effects``, (B, L) Σ_features gradient × input at each call's inputs (``call.input_effects``);
+    ``input_effects="rows"`` also gives the same per output row of the call, (B, L, L) (``call.row_effects``, see
+    :func:`row_effects`; needs ``operator_grads``). ``queries``: per query, (positions (B,), scores (B, K), targets (B,)). float16 graphs are loss-scaled
     (:func:`scaled_grad`).
 
     Raises:
@@ -39,6 +40,10 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
         inputs = [(call, pieces) for call, pieces in inputs if all(p.requires_grad for p in pieces)]
         for call, _ in inputs:
             call.input_effects = []
+            call.row_effects = [] if input_effects == "rows" else None
+    if input_effects == "rows" and not operator_grads:
+        raise ValueError("mamba_captum: the effects per row need the gradients at the calls' outputs "
+                         "(operator_grads=True).")
     effect_tensors = [piece for _, pieces in inputs for piece in pieces]
     if any(not t.requires_grad for t in tensors):
         raise RuntimeError("mamba_captum: the forward pass built no autograd graph through the recorded "
@@ -52,8 +57,9 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
             raise RuntimeError("mamba_captum: the explained scores carry no autograd graph (forward_func "
                                "returned detached scores, or ran the model under torch.no_grad / inference_mode); "
                                "return the scores as computed from the model's output.")
-        everything = scaled_grad(picked, tensors + effect_tensors, retain_graph=number < len(queries) - 1,
-                                 memo=loss_scale)
+        per_row = input_effects == "rows"
+        everything = scaled_grad(picked, tensors + effect_tensors,
+                                 retain_graph=per_row or number < len(queries) - 1, memo=loss_scale)
         grads, effect_grads = everything[:len(tensors)], list(everything[len(tensors):])
         for call, pieces in inputs:
             effect = 0
@@ -88,6 +94,52 @@ def score_gradients(explained, trace, queries, layers, residual_grads, operator_
             grads = grads[len(layers):]
         for call, grad in zip(calls, grads):
             call.output_grads.append(grad.detach())
+        if per_row:
+            for call, pieces in inputs:
+                call.row_effects.append(row_effects(call.output, pieces, call.output_grads[-1],
+                                                    loss_scale.get("scale", 1.0)))
+
+
+# Rows of one call's Jacobian-vector products taken in one batched backward (torch.autograd.grad's
+# is_grads_batched, a vmap over the backward): at most this many elements of the call's output at once.
+ROW_BATCH_ELEMENTS = 2 ** 24
+
+
+def row_effects(output: torch.Tensor, pieces: tuple, grad: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """J[b, i, j] = Σ_pieces Σ_features ∂(grad[b, i] · output[b, i]) / ∂piece[b, j] · piece[b, j]: each input
+    token's first-order effect on the explained score, split by the output row i it acts through.
+
+    ``output``: (B, L, ...) a call's output (tokens on dim 1), ``grad``: the explained score's gradient there;
+    ``pieces``: its inputs in the graph, (B, L, D) (a mixer's input) or (B, H, L, d) (an attention call's queries
+    and keys). Σ_i J[b, i, j] is the call's ``input_effects`` (gradient × input at the pieces). One backward per
+    output row, batched (``is_grads_batched``; rows one by one where an op has no batching rule). ``scale``: a loss
+    scale for float16 graphs (a power of two, divided out). Returns (B, L, L) in float32 or wider.
+    """
+    batch, length = output.shape[:2]
+    dtype = torch.promote_types(output.dtype, torch.float32)
+    effects = torch.zeros(batch, length, pieces[0].shape[-2] if pieces[0].dim() == 4 else pieces[0].shape[1],
+                          dtype=dtype, device=output.device)
+    seed = (grad * scale).to(output.dtype)
+    chunk = max(1, ROW_BATCH_ELEMENTS // max(1, output.numel()))
+    for start in range(0, length, chunk):
+        rows = torch.arange(start, min(length, start + chunk), device=output.device)
+        picked = torch.zeros((len(rows),) + tuple(output.shape), dtype=output.dtype, device=output.device)
+        picked[torch.arange(len(rows)), :, rows] = seed[:, rows].transpose(0, 1)
+        try:
+            grads = torch.autograd.grad(output, pieces, picked, retain_graph=True, allow_unused=True,
+                                        is_grads_batched=True)
+        except RuntimeError:  # an op without a batching rule under vmap: the rows one backward each
+            per_row = [torch.autograd.grad(output, pieces, row, retain_graph=True, allow_unused=True)
+                       for row in picked]
+            grads = tuple(None if per_row[0][k] is None else torch.stack([g[k] for g in per_row])
+                          for k in range(len(pieces)))
+        for piece, piece_grad in zip(pieces, grads):
+            if piece_grad is None:
+                continue
+            product = piece_grad.to(dtype) * piece.detach().to(dtype)  # (R, B, L, D) or (R, B, H, L, d)
+            summed = product.sum(-1) if piece.dim() == 3 else product.sum((2, 4))  # (R, B, L)
+            effects[:, rows] += summed.transpose(0, 1) / scale
+    return effects
 
 
 # float16 has 5 exponent bits: a gradient below 6e-8 flushes to zero in the model's own backward. The gradients of

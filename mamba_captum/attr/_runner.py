@@ -35,6 +35,8 @@ class LayerRecord:
     operator_grads: list | None  # per query: gradient w.r.t. the operator's output (gradient × operator rule)
     residual_grads: list | None  # per query: (B, L, D) gradient w.r.t. the residual stream entering the layer
     input_effects: list | None = None  # per query: (B, L) Σ_features gradient × input at the layer's inputs
+    row_effects: list | None = None  # per query: (B, L, L) the same per output row (input_effects="rows")
+    effects_include_values: bool = True  # a mixer's input feeds its value path too; an attention's queries / keys not
 
 
 @dataclass
@@ -81,11 +83,14 @@ class Explained:
             for key, operator, _, grads in rebuilt_operators(self.model, self.trace, self.decoder_layers,
                                                              self.formulation, self.components, attention_mask):
                 layer = key if isinstance(key, int) else int(str(key).split(".")[0])
-                yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer),
-                                  self._input_effects(key, layer))
+                effects, rows, include_values = self._input_effects(key, layer)
+                yield LayerRecord(key, layer, operator, grads, self.residual_grads.get(layer), effects, rows,
+                                  include_values)
 
     def _input_effects(self, key, layer):
-        """Per query, the (B, L) gradient × input of the record's layer at its inputs, or None (not asked for).
+        """Per query, the (B, L) gradient × input of the record's layer at its inputs, or None (not asked for); the
+        same per output row, (B, L, L), or None; and whether the inputs feed the value path (a mixer's) or not (an
+        attention layer's queries and keys).
 
         A mixer's record: its input (the first mixer's, for mixers composed without a residual between them; the
         input feeds everything the mixer does, including an attention call the mixer consumes and FalconH1's
@@ -98,10 +103,15 @@ class Explained:
             calls = mixers[:1]
         else:
             calls = [c for c in self.trace.attention_calls if c.layer == layer]
+        include_values = bool(calls) and any(c is calls[0] for c in mixers)
         effects = [c.input_effects for c in calls]
         if not calls or any(e is None for e in effects):
-            return None
-        return [sum(per_call[q] for per_call in effects) for q in range(len(effects[0]))]
+            return None, None, include_values
+        rows = [c.row_effects for c in calls]
+        summed = [sum(per_call[q] for per_call in effects) for q in range(len(effects[0]))]
+        if any(r is None for r in rows):
+            return summed, None, include_values
+        return summed, [sum(per_call[q] for per_call in rows) for q in range(len(rows[0]))], include_values
 
 
 LOGITS_TRIMMING = ("logits_to_keep", "num_logits_to_keep")

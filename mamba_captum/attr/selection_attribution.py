@@ -26,12 +26,27 @@ from ._inputs import as_attributions, format_inputs
 from ._rollout import RunningProduct, layer_weights, rollout_step
 from .attribution import MambaAttribution
 
-SPREADS = ("query", "column")
+SPREADS = ("query", "column", "exact")
 
 
-def selection_share(contributions: torch.Tensor, effects: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s[j] = e[j] − Σ_i G[i, j]: (B, L, L) value-path contributions G, (B, L) input effects e -> (B, L)."""
-    return (effects.to(contributions.dtype) - contributions.sum(1)) * mask.to(contributions.dtype)
+def selection_share(contributions: torch.Tensor, effects: torch.Tensor, mask: torch.Tensor,
+                    include_values: bool = True) -> torch.Tensor:
+    """s[j] = e[j] − Σ_i G[i, j]: (B, L, L) value-path contributions G, (B, L) input effects e -> (B, L).
+    ``include_values=False`` (e at an attention layer's queries and keys, which do not feed its values): s = e."""
+    effects = effects.to(contributions.dtype)
+    if include_values:
+        effects = effects - contributions.sum(1)
+    return effects * mask.to(contributions.dtype)
+
+
+def exact_share(contributions: torch.Tensor, row_effects: torch.Tensor, mask: torch.Tensor,
+                include_values: bool = True) -> torch.Tensor:
+    """G + S with the selection share on the rows it acts through: (B, L, L) G and the per-row effects J of the
+    layer's inputs (J[i, j]: token j's gradient × input through output row i) -> (B, L, L). A mixer's input feeds
+    the value path too, so there J already holds G (the first-order effect of x through the fixed operator) and
+    G + S = J; an attention layer's queries and keys do not, so G + S = G + J."""
+    row_effects = row_effects.to(contributions.dtype) * mask.to(contributions.dtype)[:, None, :]
+    return row_effects if include_values else contributions + row_effects
 
 
 def spread_share(contributions: torch.Tensor, share: torch.Tensor, query, spread: str) -> torch.Tensor:
@@ -65,7 +80,7 @@ class MambaSelectionAttribution(MambaAttribution):
         return True
 
     def _wants_input_effects(self, options):
-        return True
+        return "rows" if options["spread"] == "exact" else True
 
     def _options(self, recipe, start_layer, reduce, spread="query", sign="absolute", normalise="row_max", **extra):
         if spread not in SPREADS:
@@ -93,6 +108,10 @@ class MambaSelectionAttribution(MambaAttribution):
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout)
 
     def _relevance(self, explained, options):
+        if options["spread"] == "exact" and (explained.staged or self._runner.packed):
+            raise ValueError("mamba_captum: spread='exact' takes one backward per token row of each layer, over a "
+                             "sequence of tokens; a multi-stage image model or a packed vision tower has no such "
+                             "rows: use spread='query'.")
         products = [RunningProduct(explained.layout) for _ in explained.queries]
         for record in explained.layers():
             if record.input_effects is None:
@@ -100,9 +119,14 @@ class MambaSelectionAttribution(MambaAttribution):
                                    "input is not part of the graph of the explained scores); please report this.")
             for number, (query, product) in enumerate(zip(explained.queries, products)):
                 contributions = record.operator.contributions(record.operator_grads[number])
-                share = selection_share(contributions, record.input_effects[number],
-                                        explained.mask_for(contributions.shape[-1]))
-                factor = spread_share(contributions, share, query, options["spread"])
+                mask = explained.mask_for(contributions.shape[-1])
+                if options["spread"] == "exact":
+                    factor = exact_share(contributions, record.row_effects[number], mask,
+                                         record.effects_include_values)
+                else:
+                    share = selection_share(contributions, record.input_effects[number], mask,
+                                            record.effects_include_values)
+                    factor = spread_share(contributions, share, query, options["spread"])
                 factor = factor / record.operator.value_channels
                 product.push(rollout_step(layer_weights(factor, options["sign"], options["normalise"])))
         return [q.row_of(product, explained.length) for q, product in zip(explained.queries, products)]
