@@ -147,7 +147,8 @@ SATURATION = ('"p > 0.999" (or "p < 0.001") means saturated: the probability rou
               "as it often does for a trained model on a text it has learnt; it says which label, not how sure a "
               "person would be (the methods read the model's scores, not p).")
 
-# each method's scale, as its class computes it with explain()'s settings (the "product" recipe): raw is the
+# each method's scale, as its class computes it with explain()'s settings (attribution: the recipe its default
+# resolved to, settings["attribution_recipe"]: "relevance", |MambaLRP|, or "product"): raw is the
 # layer mean of the query's row of A (attr/raw_attention.py), signed; rollout, attribution and selection read the
 # query's row of a product of row-normalised non-negative matrices (attr/_rollout.py rollout_step), so it is >= 0
 # and sums to 1; MambaLRP's relevance sums to the explained logit less the biases' share (attr/lrp.py)
@@ -157,6 +158,8 @@ METHOD_SCALES = {
            "weights, signed)",
     "shares": "{names} (each text's scores are >= 0 and sum to 1)",
     "lrp": "lrp is in logit units (its scores, signed, sum to the explained logit less the biases' share{larger})",
+    "relevance": "attribution is the magnitude of lrp's relevance (logit units, >= 0: MambaAttribution's default "
+                 "recipe on this model)",
 }
 SHOWN_NAMES = 10  # label words / class names a paragraph lists; the rest are counted
 
@@ -201,13 +204,16 @@ def reading_notes(explanations, settings: dict | None = None) -> list[str]:
     else:
         notes.append(f"{query}: the position whose output every method explains.")
     methods = list(dict.fromkeys(name for item in explanations for name in item.relevance))
-    shares = [name for name in SHARE_METHODS if name in methods]
+    relevance = settings.get("attribution_recipe") == "relevance" and "attribution" in methods
+    shares = [name for name in SHARE_METHODS if name in methods and not (relevance and name == "attribution")]
     scales = [METHOD_SCALES["raw"]] if "raw" in methods else []
+    if relevance:
+        scales.append(METHOD_SCALES["relevance"])
     if shares:
         names = f"{shares[0]} is a share" if len(shares) == 1 else \
             f"{', '.join(shares[:-1])} and {shares[-1]} are shares"
         scales.append(METHOD_SCALES["shares"].format(names=names))
-    if "lrp" in methods:
+    if "lrp" in methods or relevance:
         scales.append(METHOD_SCALES["lrp"].format(larger=", so they are often much larger than the shares"
                                                   if shares else ""))
     if scales:

@@ -14,7 +14,7 @@ from pathlib import Path
 # mamba_captum.evaluation's FAMILIES and TASKS (+ bbc_news), named here without importing it (torch);
 # tests/test_cli_speed.py checks they are the same
 EVALUATION_FAMILIES = ("mamba", "mamba2", "rwkv", "recurrent_gemma", "jamba", "qwen3_next", "lfm2", "xlstm", "gla",
-                       "retnet", "rwkv7")
+                       "retnet", "rwkv7", "mamba3")
 EVALUATION_TASKS = ("needle", "negation", "long_range", "counting", "real_words", "gated_recall", "conjunction",
                     "order", "bbc_news")
 

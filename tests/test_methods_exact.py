@@ -109,15 +109,16 @@ def _scaled(model, factor):
 
 
 def test_row_normalised_attribution_ignores_the_scale_and_sign_of_the_explained_score():
-    """Row normalisation makes the rollout independent of the gradients' scale, and |G| of their sign: explaining
-    −10 × the logits gives the same relevance; the unnormalised positive part does not."""
+    """Row normalisation makes the product recipe's rollout independent of the gradients' scale, and |G| of their
+    sign: explaining −10 × the logits gives the same relevance; the unnormalised positive part does not. (The default
+    recipe, the magnitude of MambaLRP's relevance, scales with the score: tests/test_default_method.py.)"""
     model = make_model("mamba")
     ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     target = torch.tensor([5, 7])
 
     def relevance(factor, **options):
         method = mc.MambaAttribution(model, forward_func=_scaled(model, factor))
-        return method.attribute(ids, target=target, **options)
+        return method.attribute(ids, target=target, recipe="product", **options)
 
     default = relevance(1.0)
     assert torch.allclose(relevance(-10.0), default, atol=1e-6)

@@ -15,16 +15,24 @@ official (rank-1 rollout of the query rows, query entry 0, clamp ≥ 0):
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from captum.attr import GradientAttribution
 from captum.log import log_usage
 
-from ._base import ImplicitAttentionMethod
+from ..session import session
+from ._base import RECIPES, ImplicitAttentionMethod
+from ._generation import generation_queries, generation_result
 from ._inputs import as_attributions, format_inputs
 from ._rollout import (NORMALISATIONS, SIGNS, RunningProduct, add_identity, broadcast_row, drop_query, layer_weights,
                        minmax, refuse_pooled, row_normalise, rollout_step, unique_positions)
+from .lrp import MambaLRP
 
 GRADIENT_RULES = ("residual", "grad_x_operator")
+# the model classes recipe="auto" explains by MambaLRP's relevance (where their modules have rules): token models
+# with their own output head
+HEADED_MODELS = ("ForCausalLM", "ForSequenceClassification")
 
 
 def residual_scores(grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -64,11 +72,20 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
 
     @log_usage()  # Captum's wrapper: NoiseTunnel calls attribute.__wrapped__
     def attribute(self, inputs, target=None, additional_forward_args=None, *, attention_mask=None, position=None,
-                  formulation="unified", start_layer=None, reduce="mean", components=None, recipe="product",
+                  formulation="unified", start_layer=None, reduce="mean", components=None, recipe="auto",
                   gradient_rule="grad_x_operator", sign="absolute", normalise="row_max", **forward_kwargs):
-        """As :meth:`ImplicitAttentionMethod.attribute`, plus (product recipe):
+        """As :meth:`ImplicitAttentionMethod.attribute`, plus:
 
         Args:
+            recipe: ``"auto"`` (default): ``"relevance"`` for a ``*ForCausalLM`` / ``*ForSequenceClassification``
+                token model whose modules all have MambaLRP rules and a call that sets none of the product recipe's
+                options (``formulation``, ``start_layer``,
+                ``reduce``, ``components``, ``gradient_rule``, ``normalise``), else ``"product"``;
+                ``"relevance"``: the magnitude of MambaLRP's conservative relevance, |R| (``sign="positive"``: R₊),
+                one forward and one backward, checked for conservation at run time (:class:`MambaLRP`);
+                ``"product"``: the rollout of gradient-weighted implicit attention below; ``"official"``: the
+                papers' rank-1 recipe. The default is the one measured best across the faithfulness suite, the demo
+                and the selection-driven tasks (docs/faithfulness.md, "The default").
             gradient_rule: ``"grad_x_operator"`` (default: per-channel gradient × operator × input) or
                 ``"residual"`` (the official rule: gradient at the residual stream entering each block).
             sign: ``"absolute"`` (default: |G|, evidence against the class counts too) or ``"positive"`` (G₊, the
@@ -76,8 +93,21 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
             normalise: ``"row_max"`` (default: each row over its largest entry), ``"row_sum"``, or ``"none"`` (the
                 papers': the raw gradient scale, where the identity swamps small rows).
 
-        The defaults are the best measured on the trained planted-answer models of docs/faithfulness.md.
-        ``target=None`` explains the argmax class / token of each example. Returns (B, L) as the inputs."""
+        The product recipe's defaults are its best measured on the trained planted-answer models of
+        docs/faithfulness.md. ``target=None`` explains the argmax class / token of each example. Returns (B, L) as
+        the inputs."""
+        product_options = dict(formulation=formulation != "unified", start_layer=start_layer is not None,
+                               reduce=reduce != "mean", components=components is not None,
+                               gradient_rule=gradient_rule != "grad_x_operator", normalise=normalise != "row_max")
+        recipe = self._resolved_recipe(recipe, any(product_options.values()))
+        if recipe == "relevance":
+            given = [name for name, set_ in product_options.items() if set_]
+            if given:
+                raise ValueError(f"mamba_captum: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to "
+                                 "the product recipe's rollout, not to recipe='relevance' (MambaLRP's relevance); "
+                                 "leave them out, or pass recipe='product'.")
+            return self._conservative_relevance(inputs, target, additional_forward_args, attention_mask, position,
+                                                sign, forward_kwargs)
         inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         _, relevance = self._relevance_per_query(inputs_tensor, target, additional_forward_args, attention_mask,
                                                  position, formulation, start_layer, reduce, components, recipe,
@@ -85,6 +115,97 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
                                                  normalise=normalise)
         return as_attributions(relevance[0], inputs_tensor, was_tuple, self._runner.layout,
                                self._runner.packed)
+
+    def attribute_generation(self, inp, target=None, *, tokenizer=None, gen_args=None, formulation="unified",
+                             start_layer=None, reduce="mean", components=None, recipe="auto", **kwargs):
+        """As :meth:`ImplicitAttentionMethod.attribute_generation`; ``recipe="auto"`` resolves as in
+        :meth:`attribute`. With ``"relevance"`` each generated token's row is MambaLRP's relevance of its logit (one
+        forward and one backward per generated token), its magnitude (``sign="positive"``: its positive part)."""
+        product_given = (formulation != "unified" or start_layer is not None or reduce != "mean"
+                         or components is not None or kwargs.get("gradient_rule", "grad_x_operator") != "grad_x_operator"
+                         or kwargs.get("normalise", "row_max") != "row_max")
+        resolved = self._resolved_recipe(recipe, product_given)
+        if resolved != "relevance":
+            return super().attribute_generation(inp, target, tokenizer=tokenizer, gen_args=gen_args,
+                                                formulation=formulation, start_layer=start_layer, reduce=reduce,
+                                                components=components, recipe=resolved, **kwargs)
+        if product_given:
+            raise ValueError("mamba_captum: the product recipe's options do not apply to recipe='relevance'; leave "
+                             "them out, or pass recipe='product'.")
+        for name in ("position", "attention_mask", "additional_forward_args"):
+            if name in kwargs:
+                raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "
+                                "generated token of one unpadded prompt.")
+        sign = kwargs.pop("sign", "absolute")
+        kwargs.pop("gradient_rule", None), kwargs.pop("normalise", None)
+        if kwargs and target is None:
+            raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(kwargs))}) must cover prompt + "
+                             "generated tokens: give target= explicitly.")
+        self._runner.refresh()
+        prompt, full, target_ids, tokenizer, keep = generation_queries(self.model, self._runner, inp, target, tokenizer,
+                                                                       gen_args)
+        start = prompt.shape[1] - 1
+        relevance = [self._conservative_relevance(full, int(token), None, None, start + t, sign, dict(kwargs))
+                     for t, token in enumerate(target_ids)]
+        with torch.no_grad(), session(self.model, self._runner.decoder_layers):
+            logits = self.model(full, **kwargs).logits[0]
+        scores = SimpleNamespace(scores=[logits[start + t][None] for t in range(len(target_ids))])
+        return generation_result(inp, prompt, target_ids, tokenizer, keep, scores, relevance)
+
+    def resolve_recipe(self, recipe: str = "auto", **options) -> str:
+        """The recipe :meth:`attribute` runs for ``recipe`` and the keywords ``options`` (its product-recipe keywords,
+        e.g. ``formulation="hidden"``): ``"relevance"``, ``"product"`` or ``"official"``."""
+        defaults = dict(formulation="unified", start_layer=None, reduce="mean", components=None,
+                        gradient_rule="grad_x_operator", normalise="row_max")
+        unknown = set(options) - set(defaults)
+        if unknown:
+            raise TypeError(f"mamba_captum: resolve_recipe() got {sorted(unknown)}; it takes {sorted(defaults)}.")
+        return self._resolved_recipe(recipe, any(options[k] != defaults[k] for k in options))
+
+    def _resolved_recipe(self, recipe, product_options_given):
+        if recipe not in ("auto",) + RECIPES + ("relevance",):
+            raise ValueError(f"mamba_captum: recipe={recipe!r}; choose one of {('auto', 'relevance') + RECIPES}.")
+        if recipe != "auto":
+            return recipe
+        if product_options_given or self._runner.layout is not None or self._runner.packed:
+            return "product"  # image models: the product recipe is the one measured on images (docs/vision.md)
+        if not type(self.model).__name__.endswith(HEADED_MODELS):
+            # a base model explained through a forward_func's own head: MambaLRP's conservation guard checks the
+            # relevance up to the model's output head, which a base model has not (it refuses there)
+            return "product"
+        return "relevance" if self._lrp() is not None else "product"
+
+    def _lrp(self):
+        """The MambaLRP of this model, or None where its modules lack rules (made once, on first use)."""
+        if not hasattr(self, "_lrp_method"):
+            try:
+                self._lrp_method = MambaLRP(self.model, self._runner.forward_func)
+            except NotImplementedError as error:
+                self._lrp_method, self._lrp_refusal = None, error
+        return self._lrp_method
+
+    def _conservative_relevance(self, inputs, target, additional_forward_args, attention_mask, position, sign,
+                                forward_kwargs):
+        """recipe='relevance': |R| (or R₊) of MambaLRP's relevance, per token, in the shape of the inputs."""
+        if sign not in SIGNS:
+            raise ValueError(f"mamba_captum: sign={sign!r}; choose one of {SIGNS}.")
+        method = self._lrp()
+        if method is None:
+            raise NotImplementedError(f"mamba_captum: recipe='relevance' needs MambaLRP's rules: {self._lrp_refusal} "
+                                      "Use recipe='product'.")
+        relevance = method.attribute(inputs, target, additional_forward_args, attention_mask=attention_mask,
+                                     position=position, **forward_kwargs)
+        was_tuple = isinstance(relevance, tuple)
+        relevance = relevance[0] if was_tuple else relevance
+        if relevance.dim() == 3:  # embeddings in: per-feature relevance, summed to the token's, shown over D
+            relevance = relevance.sum(-1, keepdim=True).expand_as(relevance)
+        relevance = relevance.abs() if sign == "absolute" else relevance.clamp(min=0)
+        return (relevance,) if was_tuple else relevance
+
+    def __exit__(self, *exc):
+        if getattr(self, "_lrp_method", None) is not None:
+            self._lrp_method.__exit__(*exc)
+        return super().__exit__(*exc)
 
     def _relevance(self, explained, options):
         if options["recipe"] == "official":

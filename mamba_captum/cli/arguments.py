@@ -13,7 +13,7 @@ from ..usage import positive_int
 # choices are named here rather than read from mamba_captum.explain, which imports torch and transformers;
 # tests/test_cli.py checks that they are explain's DTYPES and METHODS.
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
-METHOD_NAMES = ("raw", "rollout", "attribution", "selection", "lrp")
+METHOD_NAMES = ("attribution", "raw", "rollout", "selection", "lrp")  # the default first
 
 # The largest side of a `matrices` PNG: 4096² RGB pixels are 48 MiB in memory and seconds to encode; a bigger map
 # shows no more (one entry per token) and would need gigabytes (a 5-token text at --scale 100000 asks for 750 GB).

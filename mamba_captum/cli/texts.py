@@ -32,9 +32,10 @@ The bundled demo model: a 2-layer Mamba trained on a sentiment grammar (mamba_ca
 appends the query token [SENTIMENT]; the next-token logits there at "negative" / "positive" are the answer, and p
 is their softmax over those two words. The grammar decides every sentence and the model learnt it (100 % held out),
 so p saturates (p > 0.999): it says which label, not how sure a person would be. Each method's top tokens follow,
-on three scales: raw is the query's row of the implicit attention (the model's own weights, signed); rollout,
-attribution and selection are shares (each text's scores sum to 1); lrp is in logit units (its scores sum to the
-explained logit less the biases), so its numbers are larger, and the query token [SENTIMENT] carries a share.
+the default first, on three scales: attribution (MambaAttribution's default) is the magnitude of lrp's relevance
+and lrp is in logit units (its scores sum to the explained logit less the biases, so the query token [SENTIMENT]
+carries a share); raw is the query's row of the implicit attention (the model's own weights, signed); rollout and
+selection are shares (each text's scores sum to 1).
 """
 
 

@@ -11,6 +11,7 @@ token at a time by ``[UNK]``. The query token is never scored and never replaced
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -20,13 +21,14 @@ from captum.attr import FeatureAblation, InputXGradient, LayerIntegratedGradient
 
 from .. import MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout, MambaSelectionAttribution, fast_scans
 from ..attr import SPREADS
+from ..fla_cpu import fla_available, fla_on_cpu
 from . import metrics
 from .models import FAMILIES, class_logits, load_classifier, shipped
 from .tasks import QUERY, TASKS, UNK, ClassificationTask, bbc_news, make_task
 
 ALL_COMPONENTS = ("s6", "gate", "act", "conv", "norm")
 # The parts of the unified operator each family has (the others are absent, so switching them off changes nothing).
-FAMILY_COMPONENTS = {"mamba": ("gate", "act", "conv"), "mamba2": ("gate", "act", "conv", "norm"),
+FAMILY_COMPONENTS = {"mamba": ("gate", "act", "conv"), "mamba3": ("gate", "act", "conv"), "mamba2": ("gate", "act", "conv", "norm"),
                      "bamba": ("gate", "act", "conv", "norm"), "jamba": ("gate", "act", "conv"), "rwkv": ("gate",),
                      "recurrent_gemma": ("gate", "conv"), "qwen3_next": ("gate", "act", "conv", "norm"),
                      "lfm2": ("gate", "act", "conv"), "xlstm": ("gate", "norm"),
@@ -62,7 +64,8 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
     """Our methods on ``family``: Raw attention, Rollout, Attribution × {hidden, unified} × gradient rules, the
     papers' official recipe, Selection attribution (unified) × spreads, MambaLRP, and the unified ablations (of
     Attribution with ``ablation_rule``)."""
-    methods = []
+    # the default, as a user calls it: MambaAttribution(model).attribute(ids, target=c) (recipe="auto")
+    methods = [Method("Attribution (default)", "ours", _ours(MambaAttribution))]
     for formulation in ("unified", "hidden"):
         methods.append(Method(f"Raw attention ({formulation})", "ours",
                               _ours(MambaRawAttention, formulation=formulation)))
@@ -70,10 +73,10 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
         for rule in gradient_rules:
             methods.append(Method(f"Attribution ({formulation}, {rule})", "ours",
                                   _ours(MambaAttribution, formulation=formulation, gradient_rule=rule,
-                                        **attribution_options)))
+                                        recipe="product", **attribution_options)))
             methods.append(Method(f"Attribution ({formulation}, {rule}, G₊ unnormalised)", "ours",
                                   _ours(MambaAttribution, formulation=formulation, gradient_rule=rule,
-                                        sign="positive", normalise="none")))
+                                        recipe="product", sign="positive", normalise="none")))
         methods.append(Method(f"Attribution ({formulation}, official recipe)", "ours",
                               _ours(MambaAttribution, formulation=formulation, recipe="official")))
         if formulation == "unified":
@@ -91,7 +94,7 @@ def implicit_methods(family: str, gradient_rules=("grad_x_operator", "residual")
             kept = tuple(name for name in ALL_COMPONENTS if name not in removed)
             methods.append(Method(f"Attribution (unified, {ablation_rule}, {label})", "ablation",
                                   _ours(MambaAttribution, formulation="unified", gradient_rule=ablation_rule,
-                                        components=kept, **attribution_options)))
+                                        components=kept, recipe="product", **attribution_options)))
     return methods
 
 
@@ -198,8 +201,11 @@ def evaluate_model(model, task: ClassificationTask, methods, family: str = "", p
     rows = []
     for method in methods:
         # fast_scans: Captum's baselines and the perturbation forwards get the same linear-in-L Mamba-1 scan
-        # our methods use (HF's CPU path loops over tokens in Python); the numbers agree to float rounding
-        with fast_scans(model):
+        # our methods use (HF's CPU path loops over tokens in Python); the numbers agree to float rounding.
+        # fla_on_cpu: with flash-linear-attention installed, transformers' gated delta-net calls its Triton kernels,
+        # CPU tensors included; the baselines' and the perturbation metrics' forwards take the torch bodies, as the
+        # library's own forwards do
+        with fast_scans(model), (fla_on_cpu(model) if fla_available() else contextlib.nullcontext()):
             start = time.perf_counter()
             relevance = method.run(model, task, explained)
             seconds = time.perf_counter() - start

@@ -19,7 +19,8 @@ from ..tokens import unknown_spelling, unknown_words
 from .loading import UsageError, check_supported, is_classifier
 from .text import candidate_ids, encode_text, label_words, readable_tokens, resolve_target
 
-METHODS = {"raw": MambaRawAttention, "rollout": MambaRollout, "attribution": MambaAttribution,
+# the default method first (MambaAttribution's recipe="auto": docs/faithfulness.md, "The default")
+METHODS = {"attribution": MambaAttribution, "raw": MambaRawAttention, "rollout": MambaRollout,
            "selection": MambaSelectionAttribution, "lrp": MambaLRP}
 # the methods that explain one output (``target``); raw and rollout read the operator alone
 CLASS_SPECIFIC = ("attribution", "selection", "lrp")
@@ -178,6 +179,10 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=No
     words = label_words(model, labels)
     candidates = candidate_ids(model, tokenizer, words)
     wanted = resolve_target(model, tokenizer, target, words, candidates)
+    # the recipe MambaAttribution's default resolves to here (the magnitude of MambaLRP's relevance, or the
+    # rollout), for the report's note on its scale
+    attribution_recipe = MambaAttribution(model).resolve_recipe(formulation=formulation) \
+        if "attribution" in methods else None
     results = []
     for number, input_ids in enumerate(inputs):
         input_ids = input_ids.to(device)
@@ -215,5 +220,6 @@ def explain_ids(model, tokenizer, inputs, *, texts=None, target=None, methods=No
             display_tokens=readable_tokens(tokenizer, tokens) if tokenizer is not None else None,
             settings={"model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
                       "model_class": type(model).__name__, "formulation": formulation,
+                      "attribution_recipe": attribution_recipe,
                       "labels": words}))
     return results
