@@ -72,6 +72,9 @@ class ConservedUnit:
     per_example: bool = True  # every tensor could be split per example (else ``unsplit`` holds some sums)
     overwritten: bool = False  # an input or the output was modified in place before the backward read it
     after_head: bool = False  # downstream of the model's output head (the soft cap of its logits)
+    # the dtypes of its watched inputs: one the model itself keeps in a lower precision than its own (Inkling2's
+    # float32 residual stream in a float64 model) rounds the gradients it reads to that precision
+    input_dtypes: set = field(default_factory=set)
 
     @property
     def defect(self) -> torch.Tensor:
@@ -106,7 +109,8 @@ def rule_biases(plan: list[PlannedRule]) -> list:
     them are the modules' bias shares (summed over the examples), so they must require grad during the call."""
     seen, out = set(), []
     for planned in plan:
-        for p in bias_parameters(planned.module if planned.soft_cap is None else None):
+        replaced = planned.soft_cap is None and planned.feeds is None  # not a soft cap, nor upstream of the leaf
+        for p in bias_parameters(planned.module if replaced else None):
             if id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
@@ -184,6 +188,7 @@ class ConservationLedger:
         def watch(value):
             if not (torch.is_tensor(value) and value.is_floating_point() and value.requires_grad):
                 return value
+            unit.input_dtypes.add(value.dtype)
             view = value.view_as(value)
             view.register_hook(functools.partial(self._on_grad, unit, ("in", next(slots)), view.detach(),
                                                  view._version))
@@ -282,20 +287,23 @@ class ConservationLedger:
                 self.skipped.append(f"{calls[0].name} ({why})")
                 continue
             biased = share[1] > 0
+            # compared to the precision of its least precise input, where that is below the model's
+            bound = max([tolerance["module"]] + [conservation_tolerance(d, score.device)["module"]
+                                                 for c in calls for d in c.input_dtypes
+                                                 if d.is_floating_point and torch.finfo(d).eps > torch.finfo(dtype).eps])
             if not biased and all(c.per_example for c in calls):
                 for index, call in enumerate(calls):  # each call on its own
                     gap = call.defect.abs()
                     scale = torch.maximum(call.magnitude_out, call.magnitude_in)
                     worst = int(_relative(gap, scale).argmax())
                     name = call.name if len(calls) == 1 else f"{call.name}, call {index + 1} of {len(calls)}"
-                    out.append(ConservationGap(name, worst, float(gap[worst]), float(scale[worst]),
-                                               tolerance["module"]))
+                    out.append(ConservationGap(name, worst, float(gap[worst]), float(scale[worst]), bound))
             else:
                 defect = sum(float(c.defect.sum()) + c.unsplit["out"] - c.unsplit["in"] for c in calls)
                 scale = sum(float(torch.maximum(c.magnitude_out, c.magnitude_in).sum()) + c.unsplit["magnitude"]
                             for c in calls) + share[1]
                 name = calls[0].name if len(calls) == 1 else f"{calls[0].name}, its {len(calls)} calls"
-                out.append(ConservationGap(name, None, abs(defect - share[0]), scale, tolerance["module"]))
+                out.append(ConservationGap(name, None, abs(defect - share[0]), scale, bound))
         out.extend(self._model_gaps(relevance, magnitude, score, bias_grads, tolerance["model"], grad_scale))
         return out
 

@@ -12,7 +12,11 @@ give the real values and the LRP rules' gradients. Nothing in the model is swapp
   replaced by ``P̄ v`` (the probabilities rebuilt by :mod:`mamba_captum.families.softmax`, detached): the value
   path only, CP-LRP / AttnLRP's rule.
 - The input embeddings: the embedding module's output is swapped for a leaf that requires grad
-  (:attr:`LRPForward.embeddings`), where the relevance is read as gradient × input.
+  (:attr:`LRPForward.embeddings`), where the relevance is read as gradient × input. In a vision-language model the
+  leaf is the language model's ``inputs_embeds`` instead, the token embeddings with the image features merged into
+  the placeholder rows: a placeholder token's relevance is its image features' gradient × input; the vision tower
+  and projector, upstream of the leaf (:attr:`~mamba_captum.families.lrp_plan.PlannedRule.feeds`), run without a
+  graph.
 - The conservation guard's ledger (:class:`mamba_captum.conservation.ConservationLedger`): gradient hooks on each
   replaced computation's inputs and output, and on the bias of every ``nn.Linear`` outside them, record during the
   one backward pass what relevance enters and leaves each of them, per example;
@@ -30,7 +34,7 @@ from .attention_capture import ATTENTION_PATCH, attention_call, open_captures
 from .capture import MixerCall, mixer_arguments
 from .conservation import ConservationLedger, bias_parameters
 from .families import softmax
-from .families.lrp_plan import PlannedRule
+from .families.lrp_plan import ADDITIVE_CONSTANTS, PlannedRule
 from .offload import loaded_weights
 from .rules import ratio
 from .shared_state import library_hook
@@ -123,6 +127,8 @@ class LRPForward(contextlib.AbstractContextManager):
             args, kwargs = self.ledger.watch_inputs(unit, args, kwargs)
             if planned.located is not None:
                 hidden, mask, options = mixer_arguments(args, kwargs)
+                if "attention_mask" in kwargs:  # as the mixer got it (ZAYA's rule re-runs its forward with it)
+                    options = {**options, "attention_mask": kwargs["attention_mask"]}
                 call = MixerCall(planned.located, hidden, mask, options=options,
                                  unfused=self._unfused.get(id(module), True))
                 rule = planned.located.adapter.lrp(call, self.work_dtype)
@@ -133,10 +139,14 @@ class LRPForward(contextlib.AbstractContextManager):
         # a rule of a module with several outputs gives a tuple, replacing as many of them (fla's fused-residual
         # norm: (norm(x + residual), x + residual)); each is checked and watched
         rule, *extras = rule if isinstance(rule, tuple) else (rule,)
+        # a mixer whose rule re-runs a softmax (ZAYA's, Inkling's attention): its pad rows depend on the mask
+        # convention (as a softmax layer's) and reach no real token; its real rows are compared
+        rows = self.token_mask if planned.located is not None and planned.located.adapter.CONSUMES_ATTENTION and \
+            real.dim() >= 2 and tuple(real.shape[:2]) == tuple(self.token_mask.shape) else None
         for index, value in enumerate((rule, *extras)):
             self._check(f"{name} ({type(module).__name__}) under MambaLRP's rules"
                         f"{f', output {index}' if index else ''}", output[index] if index else real, value.detach(),
-                        module=module, layer_input=layer_input)
+                        rows if not index else None, module=module, layer_input=layer_input)
             self.ledger.watch_output(unit, value, slot=index)
         self.calls[id(planned)] = self.calls.get(id(planned), 0) + 1
         replaced = rule.to(real.dtype)
@@ -176,6 +186,32 @@ class LRPForward(contextlib.AbstractContextManager):
     def _on_output_head(self, module, args, output):
         if self._mine() and torch.is_tensor(output):
             self.ledger.watch_head(output)
+
+    def _on_upstream_pre(self, module, args):
+        """A module upstream of the relevance leaf (a vision tower): its real computation, without a graph."""
+        if not self._mine():
+            return
+        if self.embedding_module is None:
+            raise NotImplementedError(
+                f"mamba_captum: MambaLRP reads a vision-language model's relevance at its merged text and image "
+                f"embeddings, which it builds from token ids: pass input_ids, not inputs_embeds, with the images "
+                f"({type(module).__name__} ran).")
+        self._pending.setdefault(id(module), []).append(torch.is_grad_enabled())
+        torch.set_grad_enabled(False)
+
+    def _on_upstream_post(self, module, args, output):
+        if self._mine() and self._pending.get(id(module)):
+            torch.set_grad_enabled(self._pending[id(module)].pop())
+
+    def _on_merged_embeddings(self, module, args, kwargs):
+        """A vision-language model's language model: its ``inputs_embeds`` (text and image features merged) become
+        the leaf."""
+        embeds = kwargs.get("inputs_embeds")
+        if not self._mine() or not torch.is_tensor(embeds) or not torch.is_grad_enabled():
+            return None
+        leaf = embeds.detach().requires_grad_(True)
+        self.embeddings.append(leaf)
+        return args, {**kwargs, "inputs_embeds": leaf}
 
     def _on_linear(self, module, args, output):
         """An ``nn.Linear`` with a bias outside the replaced modules: its bias's share, for the guard."""
@@ -229,8 +265,14 @@ class LRPForward(contextlib.AbstractContextManager):
         self._captures = open_captures()
         self._captures.append(self)
         try:
+            merged = None  # a vision-language model's language model: its inputs_embeds are the leaf
             for planned in self.plan:
                 module = planned.module
+                if planned.feeds is not None:
+                    merged = planned.feeds
+                    self._hook(module, True, self._on_upstream_pre)
+                    self._hook(module, False, self._on_upstream_post, prepend=True)
+                    continue
                 if planned.soft_cap is not None:
                     self._hook(planned.head, False, self._on_head, planned)
                     self._hook(module, False, self._on_soft_capped, planned, with_kwargs=True)
@@ -246,7 +288,9 @@ class LRPForward(contextlib.AbstractContextManager):
                 self._hook(linear, False, self._on_linear)
             if self._output_head is not None:
                 self._hook(self._output_head, False, self._on_output_head)
-            if self.embedding_module is not None:
+            if self.embedding_module is not None and merged is not None:
+                self._hook(merged, True, self._on_merged_embeddings, with_kwargs=True)
+            elif self.embedding_module is not None:
                 self._hook(self.embedding_module, False, self._on_embedding)
             ATTENTION_PATCH.__enter__()
             self._patched = True
@@ -267,12 +311,13 @@ class LRPForward(contextlib.AbstractContextManager):
             if id(module) in inside or id(module) in seen:
                 continue
             seen.add(id(module))
+            constants = ADDITIVE_CONSTANTS.get(type(module).__name__, ())  # Vim's CLS token, position embeddings
             if isinstance(module, nn.Linear) and module.bias is not None:
                 linears.append(module)
             else:
                 self.ledger.outside_biases.extend(
                     p for name, p in module.named_parameters(recurse=False)
-                    if name.endswith("bias") and p.is_floating_point())
+                    if (name.endswith("bias") or name in constants) and p.is_floating_point())
             stack.extend(module.children())
         return linears
 

@@ -92,9 +92,9 @@ class MambaLRP(GradientAttribution):
         GradientAttribution.__init__(self, forward_func if forward_func is not None else model)
         self.model = model
         self._runner = Runner(model, forward_func)
-        if self._runner.image_model:
-            raise NotImplementedError("mamba_captum: MambaLRP explains token models; image models (Vision Mamba, "
-                                      "packed vision towers) are not covered yet.")
+        if self._runner.packed:
+            raise NotImplementedError("mamba_captum: MambaLRP explains token models and Vision Mamba; vision towers "
+                                      "over packed patches are not covered yet.")
         lrp_plan(model, self._runner.mixers)  # NotImplementedError now for a model without rules
 
     # -- Captum's capability flags and protocol ------------------------------------------------------------------
@@ -121,7 +121,9 @@ class MambaLRP(GradientAttribution):
         """Relevance of every input token for the explained output, by MambaLRP's rules.
 
         Args:
-            inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or a 1-tuple of either.
+            inputs: token ids (B, L), or embeddings (B, L, D) (passed as ``inputs_embeds``), or Vision Mamba's pixels
+                (B, C, H, W), or a 1-tuple of any. A vision-language model takes its images as keywords
+                (``pixel_values=``, ...): each image-placeholder token gets its image features' relevance.
             target: the explained class: int, a 1-tuple, one per example (list or 1-D tensor), or None (argmax).
             additional_forward_args: a dict of keywords for the model, or a tuple of positional arguments after
                 the inputs (token-id inputs or ``forward_func`` only).
@@ -140,8 +142,9 @@ class MambaLRP(GradientAttribution):
 
         Returns:
             (B, L) for token ids: Σ_d E · ∂score/∂E over each token's embedding; (B, L, D) for embeddings: the
-            per-feature gradient × input (it sums over D to the token relevance); a 1-tuple when ``inputs`` was a
-            tuple; with ``return_convergence_delta``, ``(attributions, delta)``, delta (B,).
+            per-feature gradient × input (it sums over D to the token relevance); (B, 1, H, W) for pixels: each
+            pixel's gradient × input summed over its channels; a 1-tuple when ``inputs`` was a tuple; with
+            ``return_convergence_delta``, ``(attributions, delta)``, delta (B,).
 
         Raises:
             ConservationError: the relevance is not conserved through a module (naming it) or over the whole model,
@@ -149,7 +152,7 @@ class MambaLRP(GradientAttribution):
                 longer matches its module, or a step read as linear that is not. Nothing is returned.
             ReconstructionError: a module's rule does not give the module's real output.
         """
-        inputs_tensor, was_tuple = format_inputs(inputs)
+        inputs_tensor, was_tuple = format_inputs(inputs, self._runner.image_model)
         with rules.sigmoid_gates(sigmoid_gates):
             relevance, delta = self._relevance_and_gap(inputs_tensor, target, additional_forward_args, attention_mask, position,
                                              forward_kwargs)
@@ -183,17 +186,23 @@ class MambaLRP(GradientAttribution):
         with session(self.model, runner.decoder_layers, runner.forward_func):
             args, kwargs, attention_mask = runner._arguments(inputs, attention_mask, additional_forward_args,
                                                              forward_kwargs, names, "MambaLRP.attribute")
-            if runner.forward_func is None:
-                check_inputs(self.model, None if inputs.is_floating_point() else inputs,
-                             inputs if inputs.is_floating_point() else None)
-                check_forward_devices(kwargs, inputs.device, self.model)
-            else:  # the same checks, but for the device and the width, which a forward_func may change
-                check_forward_func_inputs(self.model, inputs)
-            mask = format_mask(attention_mask, inputs)
-            if position is not None and runner.is_classifier:
-                raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, which "
-                                 "explains its pooled (last non-pad) token.")
-            positions = format_positions(position, mask)
+            image = runner.layout is not None  # pixels (B, C, H, W) in: the relevance of each pixel
+            if image:  # the pixels checked, the tokens' mask (all real) and the query (the CLS row or the mean)
+                mask, positions = runner._image_query(inputs, attention_mask, position)
+                if runner.forward_func is None:
+                    check_forward_devices(kwargs, inputs.device, self.model)
+            else:
+                if runner.forward_func is None:
+                    check_inputs(self.model, None if inputs.is_floating_point() else inputs,
+                                 inputs if inputs.is_floating_point() else None)
+                    check_forward_devices(kwargs, inputs.device, self.model)
+                else:  # the same checks, but for the device and the width, which a forward_func may change
+                    check_forward_func_inputs(self.model, inputs)
+                mask = format_mask(attention_mask, inputs)
+                if position is not None and runner.is_classifier:
+                    raise ValueError("mamba_captum: position= does not apply to a sequence-classification head, "
+                                     "which explains its pooled (last non-pad) token.")
+                positions = format_positions(position, mask)
             families.check_forward(runner.mixers, attention_mask, kwargs)
             floating = inputs.is_floating_point()
             call_inputs = inputs.detach().requires_grad_(True) if floating else inputs
@@ -236,7 +245,8 @@ class MambaLRP(GradientAttribution):
             grad = torch.zeros_like(leaf)
         check_finite(grad, "the gradients of the explained scores under MambaLRP's rules", self.model)
         per_feature = grad.detach().double() * leaf.detach().double()  # sums in float64 whatever the model's dtype
-        token = per_feature.sum(-1)
+        # per token; for pixels (B, C, H, W), per pixel (B, H·W), its channels summed
+        token = per_feature.sum(1).flatten(1) if image else per_feature.sum(-1)
         delta = token.sum(-1) - picked.detach().double()
         bias_grads = {id(p): g for p, g in zip([*requested, *guard_biases], parameter_grads)}
         gaps = forward.ledger.gaps(token.sum(-1), token.abs().sum(-1), picked, bias_grads, model_dtype,
@@ -252,8 +262,11 @@ class MambaLRP(GradientAttribution):
             if failed:
                 raise _conservation_error(failed[0], model_dtype, len(failed))
         parameter_grads = parameter_grads[:len(requested)]
-        relevance = per_feature.to(inputs.dtype) if floating else token.to(
-            torch.float64 if model_dtype == torch.float64 else torch.float32)
+        if image:  # (B, 1, H, W), as the other methods' image maps; it sums to the explained score less the shares
+            relevance = per_feature.sum(1, keepdim=True).to(inputs.dtype)
+        else:
+            relevance = per_feature.to(inputs.dtype) if floating else token.to(
+                torch.float64 if model_dtype == torch.float64 else torch.float32)
         if parameters is not None:
             share = sum(float((g.double() * p.detach().double()).sum()) for g, p in zip(parameter_grads, parameters)
                         if g is not None)

@@ -27,9 +27,6 @@ from ..operators import DenseCore, HeadOperator, masked_tokens
 from .common import linear_readout, run
 
 MIXER_CLASSES = ("ZayaAttention",)
-# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
-LRP_UNSUPPORTED = ("ZAYA's attention convolves its values inside the layer, around the attention call; its rules "
-                   "are not written yet")
 # the adapter takes the layer's recorded attention-interface call (its probabilities) and explains the whole layer
 CONSUMES_ATTENTION = MIXER_CLASSES
 
@@ -118,3 +115,22 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                             head_dim=head_dim, conv_weight=taps, s6=not unified or "s6" in components,
                             values=values, output=output, readout=readout)
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The layer's output under MambaLRP's rules, a differentiable function of ``call.hidden_states``: the layer's own
+    forward re-run on it, whose value path (the pad mask, ``v_proj_current`` / ``v_proj_delayed``, the one-token shift
+    of the delayed half, o_proj) is linear, with HF's attention interface answered by the engine's softmax rule P̄ v
+    (:mod:`mamba_captum.lrp_forward`: P from the detached queries and keys). The queries' and keys' convolutions,
+    norms and RoPE only reach P, so they take no relevance. The shifted-in bias at token 0 and the projections'
+    biases are its constant terms. Needs the layer's own keywords (``call.options``: its mask dict, its position
+    embeddings), as MambaLRP's engine records them. (B, L, D_model), in the model's dtype."""
+    module = call.located.module
+    options = dict(call.options)
+    if options.get("cache") is not None:
+        raise NotImplementedError("mamba_captum: MambaLRP explains whole sequences: call ZAYA with use_cache=False "
+                                  "(its rule re-runs the layer, which would write the cache twice).")
+    if "attention_mask" not in options:
+        raise ValueError("mamba_captum: ZAYA's MambaLRP rule needs the layer's attention_mask mapping as it got it.")
+    output, _ = type(module).forward(module, call.hidden_states, **options)  # without the layer's hooks
+    return output.to(work_dtype)

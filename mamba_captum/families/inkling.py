@@ -35,14 +35,12 @@ branch's band is the same in both formulations (it has no core). Components of "
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..operators import DenseCore, HeadOperator, causal_band, skip_taps
 from .common import linear_readout, run
 
 MIXER_CLASSES = ("InklingAttention", "InklingShortConvolution")
-# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
-LRP_UNSUPPORTED = ("its convolutions around the attention and after o_proj / the MLP (composed mixers) have "
-                   "no rules written yet")
 # the attention adapter takes the layer's recorded attention-interface call (its probabilities)
 CONSUMES_ATTENTION = ("InklingAttention",)
 # convolutions inside the attention that its operator explains (not mixers of their own)
@@ -185,3 +183,53 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
                                             readout_proj=linear_readout(module.o_proj))
     rebuilt = run(module.o_proj, attended.reshape(batch, length, -1).to(module.o_proj.weight.dtype))
     return operator, rebuilt
+
+
+def short_conv_rule(module, x: torch.Tensor, mask, work_dtype: torch.dtype) -> torch.Tensor:
+    """An ``InklingShortConvolution`` ``x + conv(m ⊙ x)`` (depthwise causal, m the 2-D padding mask or None) in the
+    work dtype: linear in x (HF computes it in float32; the rule keeps a float64 model's precision)."""
+    conv = module.conv1d
+    length = x.shape[1]
+    value = x.to(work_dtype)
+    masked = value if mask is None else value * mask[:, :, None].to(work_dtype)
+    taps = conv.weight.to(work_dtype)
+    out = F.conv1d(masked.transpose(1, 2), taps, None if conv.bias is None else conv.bias.to(work_dtype),
+                   padding=taps.shape[-1] - 1, groups=taps.shape[0])[..., :length].transpose(1, 2)
+    return out + value
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules, a differentiable function of ``call.hidden_states``.
+
+    - A branch convolution (``attn_sconv``, ``mlp_sconv``): :func:`short_conv_rule`, linear.
+    - The attention: its own forward re-run on the input, with ``k_sconv`` / ``v_sconv`` by :func:`short_conv_rule`
+      (in the work dtype), HF's attention interface answered by the engine's softmax rule P̄ v (P from the detached
+      queries and keys, :mod:`mamba_captum.lrp_forward`) and the relative logits (``rel_logits_proj``: a
+      data-dependent bias of the scores, from ``r_proj``) detached with P: v_proj, v_sconv and o_proj are linear.
+      The queries' norm and log-scaling and the keys' path only reach P.
+
+    Needs the layer's own keywords (``call.options``: its attention mask and ``conv_mask``), as MambaLRP's engine
+    records them. (B, L, D_model)."""
+    module = call.located.module
+    options = dict(call.options)
+    if options.get("cache") is not None:
+        raise NotImplementedError("mamba_captum: MambaLRP explains whole sequences: call Inkling with "
+                                  "use_cache=False (its rule re-runs the layer, which would write the cache twice).")
+    if type(module).__name__ == "InklingShortConvolution":
+        return short_conv_rule(module, call.hidden_states, options.get("conv_mask"), work_dtype)
+    if "attention_mask" not in options:
+        raise ValueError("mamba_captum: Inkling's MambaLRP rule needs the layer's attention mask as it got it.")
+
+    def convolved(conv, args, kwargs, output):  # k_sconv / v_sconv by their rule, in the work dtype
+        x = args[0] if args else kwargs["hidden_states"]
+        return short_conv_rule(conv, x, kwargs.get("conv_mask"), work_dtype).to(x.dtype)
+
+    handles = [module.k_sconv.register_forward_hook(convolved, with_kwargs=True),
+               module.v_sconv.register_forward_hook(convolved, with_kwargs=True),
+               module.rel_logits_proj.register_forward_hook(lambda _, args, out: out.detach())]
+    try:
+        output, _ = type(module).forward(module, call.hidden_states, **options)  # without the layer's own hooks
+    finally:
+        for handle in handles:
+            handle.remove()
+    return output.to(work_dtype)

@@ -63,7 +63,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .. import rules
 
 from ..operators import skip_taps
 from . import inkling
@@ -85,9 +88,6 @@ LOOPED_ATTENTION_CLASSES = ("Inkling2LoopSlidingAttention", "Inkling2LoopFullAtt
 # the capture does not record their calls as token attention
 DEPTH_ATTENTION_CLASSES = (*(f"{prefix}BlockAttentionResidual" for prefix in PREFIXES),
                            "Inkling2LoopMessageAttentionResidual")
-# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
-LRP_UNSUPPORTED = ("its convolutions (some with token-dependent taps) and data-dependent sink / relative "
-                   "logits have no rules written yet")
 CONSUMES_ATTENTION = ATTENTION_CLASSES
 # the key and value convolutions, in either layout: inside the attention's operator, not mixers of their own
 INNER_MIXERS = {name: ("k_sconv", "v_sconv", "k_proj.sconv", "v_proj.sconv") for name in ATTENTION_CLASSES}
@@ -217,3 +217,90 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
     output_dtype = next((p.dtype for p in path.output.parameters() if p.is_floating_point()), attended.dtype)
     rebuilt = run(path.output, attended.reshape(batch, length, -1).to(output_dtype))
     return operator, rebuilt
+
+
+def scaled_conv_rule(module, x: torch.Tensor, mask, work_dtype: torch.dtype) -> torch.Tensor:
+    """An ``Inkling2ShortConvolution`` ``(x + conv(m ⊙ x)) / √(K+1)`` in the work dtype: linear in x."""
+    return inkling.short_conv_rule(module, x, mask, work_dtype) / math.sqrt(module.conv_kernel_size + 1)
+
+
+def dynamic_conv_rule(module, x: torch.Tensor, dynamic_input: torch.Tensor, mask, work_dtype) -> torch.Tensor:
+    """An ``Inkling2DynamicShortConvolution`` ``(x_t + Σ_τ w_{t,τ} m_{t−τ} x_{t−τ}) / √(2K+1)``, its per-token taps
+    w (static weights + a projection of the dynamic input) detached like a scan's selection: linear in x. (B, L, C)."""
+    batch, length, width = x.shape
+    kernel, heads = module.conv_kernel_size, module.num_heads
+    with torch.no_grad():
+        dynamic = module.weight_proj(dynamic_input.detach()).to(work_dtype).view(batch, length, heads, 1, kernel)
+        taps = module.static_weight.to(work_dtype).T.view(heads, -1, kernel) + dynamic
+    value = x.to(work_dtype)
+    masked = value if mask is None else value * mask[:, :, None].to(work_dtype)
+    context = F.pad(masked.transpose(1, 2), (kernel - 1, 0))
+    windows = context.unfold(-1, kernel, 1).flip(-1).transpose(1, 2).reshape(batch, length, heads, -1, kernel)
+    out = (windows * taps).sum(-1).reshape(batch, length, width)
+    return (out + value) / math.sqrt(2 * kernel + 1)
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules, a differentiable function of its inputs.
+
+    - A branch convolution (``post_attention_convolution``, ``post_mlp_convolution``): :func:`scaled_conv_rule`.
+    - The attention (transformers 5.24's layout: ``Inkling2KeyValueProjection``, ``Inkling2GatedOutputProjection``):
+      its own forward re-run with the graph on, HF's attention interface answered by the engine's P̄ v (P from the
+      detached queries and keys, the relative and sink logits detached with it), and inside the value path: the
+      convolution by :func:`scaled_conv_rule` or :func:`dynamic_conv_rule` (taps detached), the values' unweighted
+      RMS norm with its normaliser detached (the identity rule), the output gate σ(gate_proj h) detached (signal
+      takes all: ``sigmoid_gates="half"`` cannot reach it, and is refused) and the gated output projection computed
+      in the work dtype (HF gates in float32). Linear in the value input.
+
+    Needs the layer's own keywords (``call.options``), as MambaLRP's engine records them. (B, L, D_model)."""
+    module = call.located.module
+    options = dict(call.options)
+    if options.get("cache") is not None:
+        raise NotImplementedError("mamba_captum: MambaLRP explains whole sequences: call Inkling2 with "
+                                  "use_cache=False (its rule re-runs the layer, which would write the cache twice).")
+    if _class_name(module) in CONV_CLASSES:
+        return scaled_conv_rule(module, call.hidden_states, options.get("conv_mask"), work_dtype)
+    if rules.sigmoid_gate_rule() != "signal":
+        raise NotImplementedError(f"mamba_captum: the sigmoid output gate of {type(module).__name__} sits inside its "
+                                  "output projection's forward, where only sigmoid_gates='signal' can be applied.")
+    if _class_name(getattr(module, "v_proj", None)) not in KEY_VALUE_PROJECTION_CLASSES or \
+            _class_name(getattr(module, "o_proj", None)) not in GATED_OUTPUT_CLASSES:
+        raise NotImplementedError(f"mamba_captum: MambaLRP's rules for {type(module).__name__} are written for "
+                                  "transformers 5.24's layout (Inkling2KeyValueProjection, Inkling2GatedOutputProjection).")
+    if "attention_mask" not in options:
+        raise ValueError("mamba_captum: Inkling2's MambaLRP rule needs the layer's attention mask as it got it.")
+
+    def convolved(conv, args, kwargs, output):
+        x = args[0] if args else kwargs["hidden_states"]
+        mask = kwargs.get("conv_mask")
+        if _class_name(conv) in DYNAMIC_CONV_CLASSES:
+            dynamic = args[1] if len(args) > 1 else kwargs["dynamic_input"]
+            return dynamic_conv_rule(conv, x, dynamic, mask, work_dtype).to(x.dtype)
+        return scaled_conv_rule(conv, x, mask, work_dtype).to(x.dtype)
+
+    def normalised(norm, args, output):  # the values' unweighted RMS norm: its normaliser detached
+        x = args[0]
+        return rules.rms_norm_rule(x.to(work_dtype), output.to(work_dtype)).to(x.dtype)
+
+    def gated_output(projection, args, output):  # linear(attn ⊙ σ(gate_proj h)̄), in the work dtype
+        attn, hidden = args
+        with torch.no_grad():
+            gate = torch.sigmoid(projection.gate_proj(hidden).float()).to(work_dtype)
+        linear = projection.linear
+        out = F.linear(attn.to(work_dtype) * gate, linear.weight.to(work_dtype),
+                       None if linear.bias is None else linear.bias.to(work_dtype))
+        return out.to(attn.dtype)
+
+    detached = lambda _, args, out: out.detach()  # noqa: E731
+    handles = [module.k_proj.sconv.register_forward_hook(convolved, with_kwargs=True),
+               module.v_proj.sconv.register_forward_hook(convolved, with_kwargs=True),
+               module.v_proj.norm.register_forward_hook(normalised),
+               module.relative_position_bias.register_forward_hook(detached),
+               module.sink_proj.register_forward_hook(detached),
+               module.o_proj.register_forward_hook(gated_output)]
+    try:
+        output, _ = type(module).forward(module, call.hidden_states, **options)  # without the layer's own hooks
+    finally:
+        for handle in handles:
+            handle.remove()
+    return output.to(work_dtype)

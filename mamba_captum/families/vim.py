@@ -16,12 +16,10 @@ from __future__ import annotations
 import torch
 
 from ..operators import BidirectionalOperator
-from .mamba import check_dtype, scan_pieces, selective_operator
+from .mamba import check_dtype, lrp_inner, scan_pieces, selective_operator
 from .common import linear_readout, run
 
 MIXER_CLASSES = ("VimMixer",)
-# why MambaLRP has no rules for this family (mamba_captum.families.lrp_plan.lrp_plan names it)
-LRP_UNSUPPORTED = "MambaLRP explains token models; Vision Mamba is not covered yet"
 NONCAUSAL = True  # every token sees every other: no padding, no causal query context
 
 
@@ -67,3 +65,32 @@ def rebuild(call, formulation: str, components: frozenset, work_dtype: torch.dty
         selective_operator(back, formulation, components, None, row_scale=scale_rows),
         readout=readout)
     return operator, rebuilt
+
+
+def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
+    """The mixer's output under MambaLRP's rules, a differentiable function of ``call.hidden_states``: each direction
+    by Mamba-1's rules (:func:`mamba_captum.families.mamba.lrp_inner`: the conv linear, SiLU by the identity rule,
+    Δ, B, C detached, the D skip, the gate by the half rule), the backward one on the reversed tokens and reversed
+    back; the average (a constant ½) and out_proj linear. Linear in the mixer input; the conv biases (and the
+    projections' biases, if any) are its constant terms. (B, L, D_model), float64."""
+    mixer = call.located.module
+    if call.attention_mask is not None:
+        raise ValueError("mamba_captum: Vim mixes every token with every other (both scan directions) and has no "
+                         "padding: pass no attention_mask.")
+    x, z = run(mixer.in_proj, call.hidden_states).chunk(2, dim=-1)  # (B, L, D_in) each, carrying the graph
+    directions = []
+    for suffix, flip in (("", False), ("_b", True)):
+        xs, zs = (x.flip(1), z.flip(1)) if flip else (x, z)
+        A_log, D = (mixer.A_log, mixer.D) if suffix == "" else (mixer.A_b_log, mixer.D_b)
+        conv1d = getattr(mixer, "conv1d" + suffix)
+        with torch.no_grad():  # the selection (Δ, B, C) from the real activations, detached
+            pieces = scan_pieces(xs.detach(), zs.detach(), None, conv1d=conv1d,
+                                 x_proj=getattr(mixer, "x_proj" + suffix), dt_proj=getattr(mixer, "dt_proj" + suffix),
+                                 A_log=A_log, D=D, rank=mixer.dt_rank, state_size=mixer.d_state,
+                                 work_dtype=work_dtype, with_scan=False)
+        inner = lrp_inner(pieces, xs, zs, None, conv1d=conv1d, D=D, unfused=True, work_dtype=work_dtype)
+        directions.append(inner.flip(1) if flip else inner)
+    mixed = directions[0] + directions[1]
+    if mixer.if_divide_out:
+        mixed = mixed * 0.5
+    return linear_readout(mixer.out_proj)(mixed.double())
