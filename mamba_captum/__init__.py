@@ -8,7 +8,7 @@ from ._version import __version__
 
 if TYPE_CHECKING:  # the same names, for type checkers and the API docs (mkdocstrings reads the source)
     from .attention import LayerPartKey, ReconstructionError, SharedAttentionKey, build_operators, implicit_attention
-    from .attr import (ConservationError, MambaAttribution, MambaLRP, MambaRawAttention, MambaRollout,
+    from .attr import (ConservationError, MambaAttribution, MambaLaTIM, MambaLRP, MambaRawAttention, MambaRollout,
                        MambaSelectionAttribution, RWKVAttribution)
     from .checks import NonFiniteError
     from .families import SUPPORTED_MIXERS
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and the API docs (mkdocst
     from .viz import as_hf_attentions, to_visualization_record
 
 __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "ConservationError", "NonFiniteError",
-           "SharedAttentionKey", "LayerPartKey", "SUPPORTED_MIXERS", "MambaAttribution", "MambaLRP",
+           "SharedAttentionKey", "LayerPartKey", "SUPPORTED_MIXERS", "MambaAttribution", "MambaLaTIM", "MambaLRP",
            "MambaSelectionAttribution", "MambaRawAttention", "MambaRollout", "RWKVAttribution", "fast_scans",
            "fla_on_cpu", "to_visualization_record", "as_hf_attentions", "UnknownTokenWarning"]
 
@@ -27,7 +27,7 @@ __all__ = ["implicit_attention", "build_operators", "ReconstructionError", "Cons
 # --help, --version and usage errors, which import this package first, need none of it.
 _HOMES = {"implicit_attention": ".attention", "build_operators": ".attention", "ReconstructionError": ".attention",
           "SharedAttentionKey": ".attention", "LayerPartKey": ".attention", "NonFiniteError": ".checks",
-          "ConservationError": ".attr", "MambaAttribution": ".attr", "MambaLRP": ".attr",
+          "ConservationError": ".attr", "MambaAttribution": ".attr", "MambaLaTIM": ".attr", "MambaLRP": ".attr",
           "MambaSelectionAttribution": ".attr", "MambaRawAttention": ".attr", "MambaRollout": ".attr",
           "RWKVAttribution": ".attr", "fast_scans": ".fast_scans", "fla_on_cpu": ".fla_cpu",
           "SUPPORTED_MIXERS": ".families",
