@@ -1,4 +1,5 @@
-"""Benchmark: wall time of MambaRawAttention, MambaRollout, MambaAttribution (both gradient rules),
+"""Benchmark: wall time of MambaRawAttention, MambaRollout, MambaAttribution (its default, recipe="auto": the
+magnitude of MambaLRP's relevance here; and the product recipe with both gradient rules), MambaLRP,
 MambaSelectionAttribution, one forward + backward on the fast scans (the reference cost, "fwd_bwd") and Captum's
 LayerIntegratedGradients (embeddings, n_steps=50) on the same random Mamba model, batch 1, fp32, CPU.
 
@@ -18,7 +19,8 @@ import subprocess
 import sys
 import time
 
-METHODS = ("raw", "rollout", "attribution", "attribution_residual", "selection", "fwd_bwd", "lig")
+METHODS = ("raw", "rollout", "attribution", "attribution_product", "attribution_residual", "lrp", "selection",
+           "fwd_bwd", "lig")
 CONFIGS = {
     "130m": dict(hidden_size=768, num_hidden_layers=24, vocab_size=50280, state_size=16, expand=2, conv_kernel=4),
     "10m": dict(hidden_size=256, num_hidden_layers=12, vocab_size=16384, state_size=16, expand=2, conv_kernel=4),
@@ -49,6 +51,10 @@ def measure(config_name: str, length: int, method: str) -> dict:
         mc.MambaRollout(model).attribute(ids)
     elif method == "attribution":
         mc.MambaAttribution(model).attribute(ids, target=target)
+    elif method == "attribution_product":
+        mc.MambaAttribution(model).attribute(ids, target=target, recipe="product")
+    elif method == "lrp":
+        mc.MambaLRP(model).attribute(ids, target=target)
     elif method == "attribution_residual":
         mc.MambaAttribution(model).attribute(ids, target=target, gradient_rule="residual")
     elif method == "selection":

@@ -19,9 +19,10 @@ from mamba_captum.evaluation.compare import captum_methods, implicit_methods, sc
 from mamba_captum.evaluation.tasks import ClassificationTask
 from mamba_captum.fast_scans import fast_scans
 
-KEEP = {"Raw attention (unified)", "Rollout (unified)", "Attribution (unified, grad_x_operator)",
+KEEP = {"Attribution (default)", "Raw attention (unified)", "Rollout (unified)", "Attribution (unified, grad_x_operator)",
         "Attribution (hidden, grad_x_operator)", "Attribution (unified, official recipe)",
-        "Selection attribution (unified, query)", "Selection attribution (unified, column)", "MambaLRP"}
+        "Selection attribution (unified, query)", "Selection attribution (unified, column)",
+        "Selection attribution (unified, exact)", "MambaLRP"}
 
 
 def tasks(tokenizer, count, seed):
