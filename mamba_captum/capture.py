@@ -26,7 +26,7 @@ from torch import nn
 
 from .attention_capture import ATTENTION_PATCH, AttentionCall, attention_call, open_captures
 from .families import LocatedMixer
-from .shared_state import library_hook
+from .shared_state import forget_hook, library_hook
 
 
 @dataclass
@@ -98,21 +98,11 @@ def _trampoline(capture, method: str, *bound):
     def hook(module, *args):
         owner = ref()
         if owner is None or owner._closed:
-            _forget(module, hook)
+            forget_hook(module, hook)
             return None
         return getattr(owner, method)(*bound, module, *args)
 
     return library_hook(hook)
-
-
-def _forget(module: nn.Module, hook) -> None:
-    """Remove ``hook`` from ``module``'s forward (pre-)hook dicts (torch iterates over a copy of them)."""
-    for table in ("_forward_hooks", "_forward_pre_hooks"):
-        hooks = module.__dict__.get(table, {})
-        for key in [key for key, value in hooks.items() if value is hook]:
-            del hooks[key]
-            for side in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
-                module.__dict__.get(side, {}).pop(key, None)
 
 
 class LayerCapture(contextlib.AbstractContextManager):

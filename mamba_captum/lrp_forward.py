@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from .families import softmax
 from .families.lrp_plan import ADDITIVE_CONSTANTS, PlannedRule
 from .offload import loaded_weights
 from .rules import ratio
-from .shared_state import library_hook
+from .shared_state import forget_hook, library_hook
 from .verification import check_reconstruction
 
 
@@ -253,9 +254,17 @@ class LRPForward(contextlib.AbstractContextManager):
     # -- context manager ------------------------------------------------------------------------------------
     def _hook(self, module, pre, fn, *bound, **options):
         register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        owner = weakref.ref(self)
+        name = fn.__name__
 
-        def hook(*args):
-            return fn(*bound, *args)
+        def hook(hooked, *args):
+            # a copy of the module made during the call (copy.deepcopy in a forward_func) carries this hook: once
+            # the call is over it does nothing and removes itself from the copy the first time the copy runs
+            forward = owner()
+            if forward is None or not forward._handles:
+                forget_hook(hooked, hook)
+                return None
+            return getattr(forward, name)(*bound, hooked, *args)
 
         self._handles.append(register(library_hook(hook), **options))
 

@@ -65,3 +65,14 @@ def library_hook(hook):
 def is_library_hook(hook) -> bool:
     """Whether ``hook`` was registered by the engine (:func:`library_hook`)."""
     return bool(getattr(hook, _LIBRARY_HOOK, False))
+
+
+def forget_hook(module, hook) -> None:
+    """Remove ``hook`` from ``module``'s forward (pre-)hook dicts (torch iterates over a copy of them): how a library
+    hook copied onto a ``copy.deepcopy`` of a hooked module removes itself when the copy first runs."""
+    for table in ("_forward_hooks", "_forward_pre_hooks"):
+        hooks = module.__dict__.get(table, {})
+        for key in [key for key, value in hooks.items() if value is hook]:
+            del hooks[key]
+            for side in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
+                module.__dict__.get(side, {}).pop(key, None)

@@ -98,9 +98,9 @@ def test_scores_disconnected_from_the_layers_are_refused():
     detached = lambda ids, **kwargs: model(ids, **kwargs).logits[:, -1].detach()  # noqa: E731
     disconnected = lambda ids, **kwargs: model(ids, **kwargs).logits[:, -1].detach() + offset  # noqa: E731
     with pytest.raises(RuntimeError, match="scores carry no autograd graph"):
-        mc.MambaAttribution(model, forward_func=detached).attribute(ids, target=3)
+        mc.MambaAttribution(model, forward_func=detached).attribute(ids, target=3, recipe="product")
     with pytest.raises(RuntimeError, match="do not depend, for autograd, on the recorded layers"):
-        mc.MambaAttribution(model, forward_func=disconnected).attribute(ids, target=3)
+        mc.MambaAttribution(model, forward_func=disconnected).attribute(ids, target=3, recipe="product")
     assert_globals_restored()
 
 
@@ -163,7 +163,7 @@ def test_user_hooks_fire_exactly_as_in_one_plain_forward(family):
         model(ids, use_cache=False)
     plain = dict(counts)
     assert any("in_proj" in name or "linear_x" in name or "output" in name for name, _ in plain)
-    for call in (lambda: mc.implicit_attention(model, ids), lambda: mc.MambaAttribution(model).attribute(ids),
+    for call in (lambda: mc.implicit_attention(model, ids), lambda: mc.MambaAttribution(model).attribute(ids, recipe="product"),
                  lambda: mc.MambaAttribution(model).attribute(ids, gradient_rule="residual"),
                  lambda: mc.MambaRollout(model).attribute(ids)):
         counts.clear()
@@ -573,10 +573,15 @@ def test_unmerged_lora_layers_give_the_merged_models_numbers(family, targets):
 
     ids = torch.randint(3, VOCAB, (2, 7))
     lora = get_peft_model(make_model(family), LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
-    got = mc.MambaAttribution(lora).attribute(ids, target=5)
+    # the rollout (MambaLRP's rules read the projections' weights and refuse PEFT's wrappers by name, so the
+    # default recipe takes the rollout on the unmerged model and MambaLRP's relevance on the merged one)
+    got = mc.MambaAttribution(lora).attribute(ids, target=5, recipe="product")
     maps = mc.implicit_attention(lora, ids)
     merged = lora.merge_and_unload()  # frozen, as PEFT returns it
-    assert torch.allclose(got, mc.MambaAttribution(merged).attribute(ids, target=5), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got, mc.MambaAttribution(merged).attribute(ids, target=5, recipe="product"), rtol=1e-5,
+                          atol=1e-6)
+    with pytest.raises(NotImplementedError, match="PeftModel"):
+        mc.MambaLRP(lora)
     assert maps_equal(maps, mc.implicit_attention(merged, ids))
 
 
@@ -610,7 +615,7 @@ def test_attention_dropout_in_train_mode_is_refused_not_skipped():
     with pytest.raises(ValueError, match=r"layer 2 \(JambaAttention\) drops attention probabilities .* eval\(\)"):
         mc.build_operators(model, ids)
     with pytest.raises(ValueError, match="attention_dropout=0.5"):
-        mc.MambaAttribution(model).attribute(ids, target=3)
+        mc.MambaAttribution(model).attribute(ids, target=3, recipe="product")
     assert model.training
 
 
@@ -775,7 +780,7 @@ def test_hooks_that_change_a_projection_slightly_are_caught_and_mixer_output_hoo
     plain = mc.implicit_attention(model, ids)
     handle = model.backbone.layers[1].mixer.register_forward_hook(lambda m, a, out: out + 0.5)  # steering
     steered = mc.implicit_attention(model, ids)
-    relevance = mc.MambaAttribution(model).attribute(ids, target=3)
+    relevance = mc.MambaAttribution(model).attribute(ids, target=3, recipe="product")
     handle.remove()
     assert maps_equal(steered, plain)  # the mixer's own operator; the added vector acts downstream
     assert torch.isfinite(relevance).all()
@@ -840,12 +845,12 @@ def test_a_forward_func_that_adds_drops_or_reorders_tokens_is_refused():
     truncating = lambda x, **kw: model(x[:, :4]).logits[:, -1]  # noqa: E731
     swapping = lambda x, **kw: model(x.flip(0)).logits[:, -1].flip(0)  # noqa: E731 (scores un-permuted)
     for forward_func in (template, truncating):
-        for method, options in ((mc.MambaAttribution, {}), (mc.MambaAttribution, {"gradient_rule": "residual"}),
+        for method, options in ((mc.MambaAttribution, {"recipe": "product"}), (mc.MambaAttribution, {"gradient_rule": "residual"}),
                                 (mc.MambaRollout, {}), (mc.MambaRawAttention, {})):
             with pytest.raises(ValueError, match="saw 2 sequences"):
                 method(model, forward_func=forward_func).attribute(ids, target=3, **options)
     with pytest.raises(ValueError, match="other token ids"):
-        mc.MambaAttribution(model, forward_func=swapping).attribute(ids, target=3)
+        mc.MambaAttribution(model, forward_func=swapping).attribute(ids, target=3, recipe="product")
     assert_untouched(model, model_state(make_model("mamba")))
 
 

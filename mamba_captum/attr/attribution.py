@@ -15,6 +15,7 @@ official (rank-1 rollout of the query rows, query entry 0, clamp ≥ 0):
 """
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import torch
@@ -33,6 +34,15 @@ GRADIENT_RULES = ("residual", "grad_x_operator")
 # the model classes recipe="auto" explains by MambaLRP's relevance (where their modules have rules): token models
 # with their own output head
 HEADED_MODELS = ("ForCausalLM", "ForSequenceClassification")
+
+
+def _has_own_head(model) -> bool:
+    """A ``*ForCausalLM`` / ``*ForSequenceClassification`` (compiled or not), or a wrapper of one (PEFT's)."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if type(inner).__name__.endswith(HEADED_MODELS):
+        return True
+    head = getattr(inner, "get_output_embeddings", None)
+    return callable(head) and head() is not None
 
 
 def residual_scores(grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -169,7 +179,7 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
             return recipe
         if product_options_given or self._runner.layout is not None or self._runner.packed:
             return "product"  # image models: the product recipe is the one measured on images (docs/vision.md)
-        if not type(self.model).__name__.endswith(HEADED_MODELS):
+        if not _has_own_head(self.model):
             # a base model explained through a forward_func's own head: MambaLRP's conservation guard checks the
             # relevance up to the model's output head, which a base model has not (it refuses there)
             return "product"
@@ -193,6 +203,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         if method is None:
             raise NotImplementedError(f"mamba_captum: recipe='relevance' needs MambaLRP's rules: {self._lrp_refusal} "
                                       "Use recipe='product'.")
+        # a keyword neither this method's nor the model's is refused naming this method's own options
+        inputs_tensor, _ = format_inputs(inputs, self._runner.image_model)
+        names = [name for name in inspect.signature(self.attribute).parameters if name != "forward_kwargs"]
+        self._runner._arguments(inputs_tensor, attention_mask, additional_forward_args, forward_kwargs, names,
+                                f"{type(self).__name__}.attribute")
         relevance = method.attribute(inputs, target, additional_forward_args, attention_mask=attention_mask,
                                      position=position, **forward_kwargs)
         was_tuple = isinstance(relevance, tuple)

@@ -63,8 +63,8 @@ def _common(parser, model_required=True):
 
 def _method_args(parser):
     parser.add_argument("--method", action="append", choices=METHOD_NAMES,
-                        help="raw, rollout, attribution, selection or lrp; repeat for several (default: every one the "
-                        "model supports; raw, rollout and attribution for an image)")
+                        help="attribution (MambaAttribution's default recipe), raw, rollout, selection or lrp; repeat for "
+                        "several (default: every one the model supports; raw, rollout and attribution for an image)")
     parser.add_argument("--target", default=None,
                         help="what to explain: a label word / token, or an id (default: the prediction)")
     parser.add_argument("--labels", nargs="+", default=None,

@@ -18,7 +18,7 @@ from ..fla_cpu import fla_available
 from ..usage import evaluate_parser
 from .models import FAMILIES, FLA_FAMILIES, shipped, training_record, weights_root
 from .results import LOCALISATION, PERTURBATION, journal_problem, read_doc, read_results
-from .tasks import TASKS
+from .tasks import CHOICE_TASKS, HELD_OUT_TASKS, TASKS
 
 BEGIN, END = "<!-- generated:begin (python -m mamba_captum.evaluation) -->", "<!-- generated:end -->"
 ACCURACY_BAR = 0.97
@@ -128,6 +128,38 @@ def ours_against_captum(rows, models) -> str:
     return "\n".join(out)
 
 
+DEFAULT_METHOD = "Attribution (default)"  # MambaAttribution(model).attribute(ids, target=c), compare.implicit_methods
+HELD_OUT_FAMILIES = ("mamba3",)
+
+
+def default_against_captum(rows) -> str:
+    """The default method per model against every Captum baseline (ROC-AUC to three decimals), on the models the
+    default was chosen on and on the held-out ones (:data:`.tasks.CHOICE_TASKS`, :data:`.tasks.HELD_OUT_TASKS`, and
+    every model of :data:`HELD_OUT_FAMILIES`), with the best of ours beside it."""
+    by = {}
+    for r in rows:
+        if "roc_auc" in r:
+            by.setdefault((r["family"], r["task"]), []).append(r)
+    out = ["| models | the default's mean ROC-AUC | the default ≥ every Captum baseline | best of ours ≥ every "
+           "Captum baseline | best Captum baseline's mean ROC-AUC |", "|---|---|---|---|---|"]
+    for label, chosen in (("chosen on", lambda f, t: t in CHOICE_TASKS and f not in HELD_OUT_FAMILIES),
+                          ("held out", lambda f, t: t in HELD_OUT_TASKS or f in HELD_OUT_FAMILIES)):
+        models = [m for m in by if chosen(*m) and any(r["method"] == DEFAULT_METHOD for r in by[m])
+                  and any(r["group"] == "captum" for r in by[m])]
+        if not models:
+            continue
+        default = {m: next(r["roc_auc"] for r in by[m] if r["method"] == DEFAULT_METHOD) for m in models}
+        captum = {m: max(r["roc_auc"] for r in by[m] if r["group"] == "captum") for m in models}
+        ours = {m: max(r["roc_auc"] for r in by[m] if r["group"] == "ours") for m in models}
+        wins = sum(round(default[m], 3) >= round(captum[m], 3) for m in models)
+        best = sum(round(ours[m], 3) >= round(captum[m], 3) for m in models)
+        tasks = sorted({t for _, t in models})
+        out.append(f"| {label} ({len(models)}: {', '.join(tasks)}) | {_mean(list(default.values())):.3f} | "
+                   f"{wins}/{len(models)} = {wins / len(models):.0%} | {best}/{len(models)} = {best / len(models):.0%} "
+                   f"| {_mean(list(captum.values())):.3f} |")
+    return "\n".join(out)
+
+
 def perturbation_table(rows) -> str:
     """Methods × perturbation scores, mean over every model (planted tasks and BBC News)."""
     methods = _methods_in_order(rows)
@@ -204,7 +236,9 @@ def generated_section(rows, usable, skipped, seconds, command) -> str:
                      f"{record['steps']} | {record['train_seconds']} | {record['parameters']:,} |")
     for family, task, reason in skipped:
         parts.append(f"| {family} | {task} | not scored: {reason} | | | |")
-    parts += ["", localisation_tables(rows), "", "### Perturbation: mean over every model", "",
+    parts += ["", "### The default against Captum's baselines, on the models it was chosen on and on held-out ones",
+              "", default_against_captum(rows),
+              "", localisation_tables(rows), "", "### Perturbation: mean over every model", "",
               "AUAC and AU-MSE over the fractions 0, 0.1 … 1 (trapezoid, x in 0..1); MoRF / LeRF: top-1 accuracy "
               "after replacing 10 … 90 % of the tokens by `[UNK]`, AUC ×100 over the 9 points 0.1..0.9 (maximum 80, "
               "no clean point).", "", perturbation_table(rows), "",
