@@ -158,8 +158,8 @@ METHOD_SCALES = {
            "weights, signed)",
     "shares": "{names} (each text's scores are >= 0 and sum to 1)",
     "lrp": "lrp is in logit units (its scores, signed, sum to the explained logit less the biases' share{larger})",
-    "relevance": "attribution is the magnitude of lrp's relevance (logit units, >= 0: MambaAttribution's default "
-                 "recipe on this model)",
+    "relevance": "attribution is the magnitude of MambaLRP's relevance, in logit units (>= 0; MambaAttribution's "
+                 "default recipe on this model)",
 }
 SHOWN_NAMES = 10  # label words / class names a paragraph lists; the rest are counted
 
@@ -213,7 +213,7 @@ def reading_notes(explanations, settings: dict | None = None) -> list[str]:
         names = f"{shares[0]} is a share" if len(shares) == 1 else \
             f"{', '.join(shares[:-1])} and {shares[-1]} are shares"
         scales.append(METHOD_SCALES["shares"].format(names=names))
-    if "lrp" in methods or relevance:
+    if "lrp" in methods:
         scales.append(METHOD_SCALES["lrp"].format(larger=", so they are often much larger than the shares"
                                                   if shares else ""))
     if scales:

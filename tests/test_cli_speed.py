@@ -102,7 +102,7 @@ USAGE_ERRORS = [
     (["evaluate", "--bogus"], "unrecognized arguments: --bogus"),
     (["evaluate", "--family", "nope"],
      "argument --family: invalid choice: 'nope' (choose from 'mamba', 'mamba2', 'rwkv', 'recurrent_gemma', "
-     "'jamba', 'qwen3_next', 'lfm2', 'xlstm', 'gla', 'retnet', 'rwkv7')"),
+     "'jamba', 'qwen3_next', 'lfm2', 'xlstm', 'gla', 'retnet', 'rwkv7', 'mamba3')"),
     (["evaluate", "--examples", "0"], "argument --examples: must be at least 1, not 0."),
 ]
 

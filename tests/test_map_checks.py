@@ -146,7 +146,7 @@ def test_a_mutated_map_kernel_raises_on_the_first_call(family, target, mutate, m
     with pytest.raises(MapCheckError, match=r"layer 0 .* do not reproduce the layer's output"):
         mc.implicit_attention(model, IDS)
     with pytest.raises(MapCheckError):  # every path that returns maps: the attribution classes too
-        mc.MambaAttribution(model).attribute(IDS, target=1)
+        mc.MambaAttribution(model).attribute(IDS, target=1, recipe="product")
 
 
 def test_a_wrong_full_map_path_raises_though_the_rows_path_is_right(monkeypatch):

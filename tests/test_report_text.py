@@ -28,7 +28,8 @@ DEMO_READING = [
     "The query is the last token of each text (here [SENTIMENT]): this causal LM's next-token scores there are its "
     "answer, so every method explains that position, and the query itself gets a score too.",
     "The methods' numbers (hover a token to read its score): raw is the query's row of the implicit attention, "
-    "averaged over the layers (the model's own mixing weights, signed); rollout, attribution and selection are "
+    "averaged over the layers (the model's own mixing weights, signed); attribution is the magnitude of MambaLRP's "
+    "relevance, in logit units (>= 0; MambaAttribution's default recipe on this model); rollout and selection are "
     "shares (each text's scores are >= 0 and sum to 1); lrp is in logit units (its scores, signed, sum to the "
     "explained logit less the biases' share, so they are often much larger than the shares).",
 ]
@@ -72,9 +73,9 @@ def test_a_report_names_the_words_that_became_unknown(capsys, tmp_path):
     assert first.startswith("<h2>1. the pizza was great</h2>"
                             f"<p class='note unknown'>{html.escape(PIZZA_NOTE)}</p><p>Prediction:")
     assert "class='note unknown'" not in second  # every word of it is known
-    assert "&#x27;pizza&#x27;" in first and reading(page)[2] == ("The methods' numbers (hover a token to read its "
-                                                                 "score): attribution is a share (each text's scores "
-                                                                 "are >= 0 and sum to 1).")
+    assert "&#x27;pizza&#x27;" in first and reading(page)[2] == (
+        "The methods' numbers (hover a token to read its score): attribution is the magnitude of MambaLRP's "
+        "relevance, in logit units (>= 0; MambaAttribution's default recipe on this model).")
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ def test_exactly_the_documented_models_are_below_the_bar_and_not_scored():
     assert listed == set(BELOW_BAR)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if shipped(f, "needle")])
 def test_the_needle_is_localised_on_every_shipped_family(family, held_out):
     model, _ = load_classifier(family, "needle")
     task = held_out["needle"]

@@ -102,7 +102,8 @@ class MambaLaTIM(ImplicitAttentionMethod):
     rolled-out (B, L, L). See ``docs/methods/latim.md``.
 
     Args:
-        model, forward_func: as :class:`ImplicitAttentionMethod`.
+        model: as :class:`ImplicitAttentionMethod`.
+        forward_func: as :class:`ImplicitAttentionMethod`.
         variant: ``"alti"`` (default), ``"alti_logit"`` (class-specific) or ``"l2"``; ``attribute`` may override it.
     """
 
@@ -126,10 +127,11 @@ class MambaLaTIM(ImplicitAttentionMethod):
         """Relevance (B, L) of every input token for the explained position (the row ``position`` of the rollout;
         for ``alti_logit``, the target's logit split over the tokens).
 
+        As :meth:`ImplicitAttentionMethod.attribute` for ``inputs``, ``target``, ``additional_forward_args``,
+        ``attention_mask``, ``position``, ``start_layer`` and ``**forward_kwargs`` (the unified operators; ``target``
+        is read by ``alti_logit`` only, None: the argmax token).
+
         Args:
-            inputs, target, additional_forward_args, attention_mask, position, start_layer, **forward_kwargs: as
-                :meth:`ImplicitAttentionMethod.attribute` (the unified operators; ``target`` is read by
-                ``alti_logit`` only, None: the argmax token).
             variant: ``"alti"`` | ``"alti_logit"`` | ``"l2"``; None: the constructor's.
         Returns:
             (B, L) for token ids, (B, L, D) for embeddings; a 1-tuple when ``inputs`` was a tuple.

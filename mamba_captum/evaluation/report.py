@@ -65,7 +65,8 @@ def _methods_in_order(rows):
     for row in rows:
         if row["method"] not in seen:
             seen.append(row["method"])
-    return seen
+    # the default first, as compare.implicit_methods lists it (rows merged from older runs come before it)
+    return sorted(seen, key=lambda method: method != DEFAULT_METHOD)
 
 
 def localisation_tables(rows) -> str:
