@@ -95,4 +95,4 @@ def test_explain_names_the_recipe_and_the_report_its_scale():
     items = explain_ids(model, None, [torch.randint(3, 60, (1, 6))], target=TARGET, layer_maps=False)
     assert list(items[0].relevance)[0] == "attribution" and items[0].settings["attribution_recipe"] == "relevance"
     notes = " ".join(reading_notes(items))
-    assert "attribution is the magnitude of lrp's relevance" in notes and "attribution is a share" not in notes
+    assert "attribution is the magnitude of MambaLRP's relevance" in notes and "attribution is a share" not in notes

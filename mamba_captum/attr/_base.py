@@ -12,7 +12,7 @@ from captum.log import log_usage
 from ..checks import check_finite, unwrap_parallel
 from ..session import session
 from ._inputs import as_attributions, check_reduce, format_inputs, start_layer_index
-from ._generation import generation_queries, generation_result
+from ._generation import generation_inputs, generation_result, refuse_single_call_keywords
 from ._runner import Runner
 
 RECIPES = ("product", "official")
@@ -188,17 +188,10 @@ class ImplicitAttentionMethod(Attribution, contextlib.AbstractContextManager):
         if self._runner.image_model:
             raise TypeError("mamba_captum: attribute_generation explains generated text; an image model generates "
                             "none: use attribute(pixel_values, target=...).")
-        for name in ("position", "attention_mask", "additional_forward_args"):
-            if name in kwargs:
-                raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "
-                                "generated token of one unpadded prompt.")
+        refuse_single_call_keywords(kwargs)
         method_options = {k: kwargs.pop(k) for k in self._method_options() if k in kwargs}
-        if kwargs and target is None:
-            raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(kwargs))}) must cover prompt + "
-                             "generated tokens: give target= explicitly.")
-        self._runner.refresh()
-        prompt, full, target_ids, tokenizer, keep = generation_queries(self.model, self._runner, inp, target, tokenizer,
-                                                                       gen_args)
+        prompt, full, target_ids, tokenizer, keep = generation_inputs(self.model, self._runner, inp, target,
+                                                                      tokenizer, gen_args, kwargs)
         queries = [(torch.tensor([prompt.shape[1] - 1 + t], device=full.device), target_ids[t:t + 1])
                    for t in range(target_ids.shape[0])]
         explained, relevance = self._relevance_per_query(full, None, None, None, None, formulation, start_layer,

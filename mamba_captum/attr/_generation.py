@@ -10,6 +10,24 @@ from ..session import session
 from ..tokens import unknown_id, unknown_spelling, unknown_words, warn_unknown_ids
 
 
+def refuse_single_call_keywords(kwargs) -> None:
+    """TypeError for the keywords of one ``attribute`` call that ``attribute_generation`` cannot take."""
+    for name in ("position", "attention_mask", "additional_forward_args"):
+        if name in kwargs:
+            raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "
+                            "generated token of one unpadded prompt.")
+
+
+def generation_inputs(model, runner, inp, target, tokenizer, gen_args, forward_kwargs):
+    """:func:`generation_queries` after the checks every ``attribute_generation`` makes: forward arguments need an
+    explicit target (they must cover prompt + generated tokens), and the runner sees the model's current layers."""
+    if forward_kwargs and target is None:
+        raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(forward_kwargs))}) must cover prompt + "
+                         "generated tokens: give target= explicitly.")
+    runner.refresh()
+    return generation_queries(model, runner, inp, target, tokenizer, gen_args)
+
+
 def generation_queries(model, runner, inp, target, tokenizer, gen_args):
     """Prompt ids (1, Lp), full ids (1, Lp + T), target ids (T,), tokenizer, kept prompt positions (Lp,) bool.
 

@@ -24,7 +24,7 @@ from captum.log import log_usage
 
 from ..session import session
 from ._base import RECIPES, ImplicitAttentionMethod
-from ._generation import generation_queries, generation_result
+from ._generation import generation_inputs, generation_result, refuse_single_call_keywords
 from ._inputs import as_attributions, format_inputs
 from ._rollout import (NORMALISATIONS, SIGNS, RunningProduct, add_identity, broadcast_row, drop_query, layer_weights,
                        minmax, refuse_pooled, row_normalise, rollout_step, unique_positions)
@@ -142,18 +142,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         if product_given:
             raise ValueError("mamba_captum: the product recipe's options do not apply to recipe='relevance'; leave "
                              "them out, or pass recipe='product'.")
-        for name in ("position", "attention_mask", "additional_forward_args"):
-            if name in kwargs:
-                raise TypeError(f"mamba_captum: {name}= does not apply to attribute_generation, which explains each "
-                                "generated token of one unpadded prompt.")
+        refuse_single_call_keywords(kwargs)
         sign = kwargs.pop("sign", "absolute")
         kwargs.pop("gradient_rule", None), kwargs.pop("normalise", None)
-        if kwargs and target is None:
-            raise ValueError(f"mamba_captum: forward arguments ({', '.join(sorted(kwargs))}) must cover prompt + "
-                             "generated tokens: give target= explicitly.")
-        self._runner.refresh()
-        prompt, full, target_ids, tokenizer, keep = generation_queries(self.model, self._runner, inp, target, tokenizer,
-                                                                       gen_args)
+        prompt, full, target_ids, tokenizer, keep = generation_inputs(self.model, self._runner, inp, target,
+                                                                      tokenizer, gen_args, kwargs)
         start = prompt.shape[1] - 1
         relevance = [self._conservative_relevance(full, int(token), None, None, start + t, sign, dict(kwargs))
                      for t, token in enumerate(target_ids)]

@@ -78,3 +78,15 @@ def batch_norm_affine(norm: nn.Module, what: str) -> tuple[torch.Tensor, torch.T
     if norm.bias is not None:
         shift = shift + norm.bias.double()
     return scale, shift
+
+
+def rerun_under_hooks(module, hidden_states, options, handles, work_dtype):
+    """The attention module's own forward on ``hidden_states`` (without the layer's own hooks), while the forward
+    hooks ``handles`` replace its submodules' outputs by their LRP rules; the hooks removed after it. Returns the
+    output in ``work_dtype``."""
+    try:
+        output, _ = type(module).forward(module, hidden_states, **options)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return output.to(work_dtype)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..operators import DenseCore, HeadOperator, causal_band, skip_taps
-from .common import linear_readout, run
+from .common import linear_readout, rerun_under_hooks, run
 
 MIXER_CLASSES = ("InklingAttention", "InklingShortConvolution")
 # the attention adapter takes the layer's recorded attention-interface call (its probabilities)
@@ -227,9 +227,4 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     handles = [module.k_sconv.register_forward_hook(convolved, with_kwargs=True),
                module.v_sconv.register_forward_hook(convolved, with_kwargs=True),
                module.rel_logits_proj.register_forward_hook(lambda _, args, out: out.detach())]
-    try:
-        output, _ = type(module).forward(module, call.hidden_states, **options)  # without the layer's own hooks
-    finally:
-        for handle in handles:
-            handle.remove()
-    return output.to(work_dtype)
+    return rerun_under_hooks(module, call.hidden_states, options, handles, work_dtype)

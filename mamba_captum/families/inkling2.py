@@ -70,7 +70,7 @@ from .. import rules
 
 from ..operators import skip_taps
 from . import inkling
-from .common import linear_readout, run
+from .common import linear_readout, rerun_under_hooks, run
 
 # class-name prefixes of the two model types (transformers' modular copies rename every class of inkling2_loop)
 PREFIXES = ("Inkling2", "Inkling2Loop")
@@ -298,9 +298,4 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
                module.relative_position_bias.register_forward_hook(detached),
                module.sink_proj.register_forward_hook(detached),
                module.o_proj.register_forward_hook(gated_output)]
-    try:
-        output, _ = type(module).forward(module, call.hidden_states, **options)  # without the layer's own hooks
-    finally:
-        for handle in handles:
-            handle.remove()
-    return output.to(work_dtype)
+    return rerun_under_hooks(module, call.hidden_states, options, handles, work_dtype)

@@ -331,6 +331,17 @@ def experts(module, args, kwargs, output, work_dtype):
     (transformers 5's expert modules: ``gate_up_proj`` (E, 2I, D), ``down_proj`` (E, D, I)): the routing weights
     w_k detached (the router takes no relevance, like a softmax), each expert a gated MLP (identity and half
     rules)."""
+    def inner(x, expert):
+        gate, up = F.linear(x, module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
+        return rules.half_product(_activation_rule(module.act_fn, gate), up)
+
+    return _stacked_experts(module, args, kwargs, work_dtype, inner)
+
+
+def _stacked_experts(module, args, kwargs, work_dtype, inner):
+    """``Σ_k w_k · down_e(inner(x, e))`` over the top-k experts e of each token, the routing weights w_k detached: the
+    stacked-expert layout of transformers 5 (``down_proj`` (E, D, I)). ``inner(x, e)``: expert e's rule up to its
+    down projection, (T_e, D) -> (T_e, I). (T, D)."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     values = list(args) + [kwargs[n] for n in names[len(args):]]
     hidden, index, weights = values[:3]
@@ -340,9 +351,7 @@ def experts(module, args, kwargs, output, work_dtype):
         tokens, slot = torch.where(index == expert)
         if tokens.numel() == 0:
             continue
-        gate, up = F.linear(x[tokens], module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
-        inner = rules.half_product(_activation_rule(module.act_fn, gate), up)
-        y = F.linear(inner, module.down_proj[expert].to(work_dtype))
+        y = F.linear(inner(x[tokens], expert), module.down_proj[expert].to(work_dtype))
         out = out.index_add(0, tokens, y * weights[tokens, slot, None].detach().to(work_dtype))
     return out
 
@@ -350,19 +359,8 @@ def experts(module, args, kwargs, output, work_dtype):
 def ungated_experts(module, args, kwargs, output, work_dtype):
     """Stacked ungated experts ``Σ_k w_k · down_e(act(up_e(x)))`` (NemotronH's: ``up_proj`` (E, I, D), ``down_proj``
     (E, D, I), ReLU²): the routing weights w_k detached, the activation by the identity rule. (T, D)."""
-    names = ("hidden_states", "top_k_index", "top_k_weights")
-    values = list(args) + [kwargs[n] for n in names[len(args):]]
-    hidden, index, weights = values[:3]
-    x = hidden.to(work_dtype)
-    out = torch.zeros_like(x)
-    for expert in range(module.num_experts):
-        tokens, slot = torch.where(index == expert)
-        if tokens.numel() == 0:
-            continue
-        up = F.linear(x[tokens], module.up_proj[expert].to(work_dtype))
-        y = F.linear(_activation_rule(module.act_fn, up), module.down_proj[expert].to(work_dtype))
-        out = out.index_add(0, tokens, y * weights[tokens, slot, None].detach().to(work_dtype))
-    return out
+    return _stacked_experts(module, args, kwargs, work_dtype, lambda x, expert: _activation_rule(
+        module.act_fn, F.linear(x, module.up_proj[expert].to(work_dtype))))
 
 
 def _check_ungated_experts(module) -> str | None:
@@ -405,19 +403,11 @@ def clamped_glu_mlp(module, args, kwargs, output, work_dtype):
 def clamped_experts(module, args, kwargs, output, work_dtype):
     """GLM-5-next's stacked experts ``Σ_k w_k · down_e(silu(clamp(g)) ⊙ clamp(u))``, ``g, u = gate_up_e(x)``: the
     routing weights detached, each expert as :func:`clamped_glu_mlp`. (T, D)."""
-    names = ("hidden_states", "top_k_index", "top_k_weights")
-    values = list(args) + [kwargs[n] for n in names[len(args):]]
-    hidden, index, weights = values[:3]
-    x = hidden.to(work_dtype)
-    out = torch.zeros_like(x)
-    for expert in range(module.num_experts):
-        tokens, slot = torch.where(index == expert)
-        if tokens.numel() == 0:
-            continue
-        gate, up = F.linear(x[tokens], module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
-        y = F.linear(_clamped_swiglu(gate, up, module.swiglu_limit), module.down_proj[expert].to(work_dtype))
-        out = out.index_add(0, tokens, y * weights[tokens, slot, None].detach().to(work_dtype))
-    return out
+    def inner(x, expert):
+        gate, up = F.linear(x, module.gate_up_proj[expert].to(work_dtype)).chunk(2, dim=-1)
+        return _clamped_swiglu(gate, up, module.swiglu_limit)
+
+    return _stacked_experts(module, args, kwargs, work_dtype, inner)
 
 
 def hyper_connection(module, args, kwargs, output, work_dtype):
