@@ -2,12 +2,27 @@
 ``LLMAttributionResult`` of their relevance (``plot_token_attr`` / ``plot_seq_attr``)."""
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from captum.attr import LLMAttributionResult, TextTokenInput
 
 from ..checks import index_list
 from ..session import session
 from ..tokens import unknown_id, unknown_spelling, unknown_words, warn_unknown_ids
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../mamba_captum
+
+
+def _frames_to_the_caller() -> int:
+    """The ``stacklevel`` (counted from this function's caller) of the first frame outside the library: the
+    attribute_generation call in the user's code, however many of the library's frames lie between."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def refuse_single_call_keywords(kwargs) -> None:
@@ -48,8 +63,8 @@ def generation_queries(model, runner, inp, target, tokenizer, gen_args):
         raise TypeError("mamba_captum: inp must be a captum TextTokenInput or prompt token ids (1, Lp).")
     if prompt.shape[0] != 1:
         raise ValueError(f"mamba_captum: attribute_generation explains one prompt; got a batch of {prompt.shape[0]}.")
-    if tokenizer is not None:  # stacklevel 3: the warning points at the caller of attribute_generation
-        warn_unknown_ids(tokenizer, prompt[0], "the prompt", stacklevel=3)
+    if tokenizer is not None:  # the warning points at the user's line that called attribute_generation
+        warn_unknown_ids(tokenizer, prompt[0], "the prompt", stacklevel=_frames_to_the_caller())
     device = next(model.parameters()).device
     prompt = prompt.to(device)
     if target is None:
