@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 
 import mamba_captum as mc
 from mamba_captum.fla_cpu import fla_on_cpu
@@ -58,7 +59,9 @@ def test_nemotron_h_moe_every_expert_runs_and_batch_equals_single():
     # the model's logits are float32 (HF's cast): delta is that rounding
     assert (delta.abs() <= 1e-6 * batch.abs().sum(-1).clamp(min=1.0)).all()
     singles = torch.cat([method.attribute(ids[i:i + 1], target=TARGET) for i in range(3)])
-    assert torch.allclose(batch, singles, rtol=0, atol=1e-12 * float(batch.abs().max()))
+    # the router scores in float32 (HF's cast), whose rounding differs between a batch and one example (5.23: up to
+    # 5e-8 of the largest relevance); the rule follows the routing weights the model used
+    assert torch.allclose(batch, singles, rtol=0, atol=1e-6 * float(batch.abs().max()))
 
 
 def test_nemotron_h_moe_rule_follows_the_experts_by_hand():
@@ -494,6 +497,12 @@ def test_qwen4_exp_per_layer_embeddings_stay_refused_by_name():
 
 
 # -- Inkling2 and Inkling2-Loop: depth attention, gated attention with dynamic convolutions, looped layers --------------
+# Inkling2's rules are written for transformers 5.24's layout; 5.23's (no inkling2_loop yet) is refused by name
+INKLING2_5_24 = pytest.mark.skipif("inkling2_loop" not in tf.CONFIG_MAPPING,
+                                   reason="Inkling2's MambaLRP rules cover transformers 5.24's layout")
+
+
+@INKLING2_5_24
 @pytest.mark.parametrize("builder", ["inkling2_text", "inkling2_loop_text"])
 def test_inkling2_conserves_and_batch_equals_single(builder):
     """Σ R + the biases' share = the modified forward's logit, the model's own; Inkling2 keeps its residual stream
@@ -517,6 +526,7 @@ def test_inkling2_conserves_and_batch_equals_single(builder):
     assert no_hooks_left(model)
 
 
+@INKLING2_5_24
 def test_inkling2_rules_by_hand():
     """The dynamic convolution with its taps detached hands each output its inputs' taps-weighted values; the depth
     attention's rule gives the module's value and all of its relevance to the stacked states."""
@@ -546,6 +556,7 @@ def test_inkling2_rules_by_hand():
     assert torch.isclose((grads[0] * blocks).sum() + (grads[1] * partial).sum(), rule.sum(), rtol=1e-12)
 
 
+@INKLING2_5_24
 def test_the_guard_catches_a_depth_attention_rule_whose_gradient_is_off(monkeypatch):
     """The mutation: the attention residual over depth with its gradient 1 % too large, its value kept (its inputs
     are Inkling2's float32 stream: compared to float32's bound, which 1 % exceeds)."""
@@ -566,3 +577,13 @@ def test_the_guard_catches_a_depth_attention_rule_whose_gradient_is_off(monkeypa
     with pytest.raises(mc.ConservationError, match=r"Inkling2BlockAttentionResidual"):
         mc.MambaLRP(model).attribute(ids, target=TARGET)
     assert no_hooks_left(model)
+
+
+@pytest.mark.skipif("inkling2_loop" in tf.CONFIG_MAPPING, reason="transformers 5.23's Inkling2 layout")
+def test_inkling2_of_an_older_layout_is_refused_when_planned():
+    from test_inkling import inkling2_text
+
+    model = inkling2_text(torch.float32)
+    with pytest.raises(NotImplementedError, match="written for transformers 5.24's layout"):
+        mc.MambaLRP(model)
+    assert mc.MambaAttribution(model).resolve_recipe() == "product"  # the default falls back to the rollout

@@ -240,6 +240,17 @@ def dynamic_conv_rule(module, x: torch.Tensor, dynamic_input: torch.Tensor, mask
     return (out + value) / math.sqrt(2 * kernel + 1)
 
 
+def lrp_refusal(module) -> str | None:
+    """Why MambaLRP's rules do not cover this Inkling2 mixer as loaded (transformers 5.23's layout), or None."""
+    if _class_name(module) in CONV_CLASSES:
+        return None
+    if _class_name(getattr(module, "v_proj", None)) not in KEY_VALUE_PROJECTION_CLASSES or \
+            _class_name(getattr(module, "o_proj", None)) not in GATED_OUTPUT_CLASSES:
+        return (f"MambaLRP's rules for {type(module).__name__} are written for transformers 5.24's layout "
+                "(Inkling2KeyValueProjection, Inkling2GatedOutputProjection); this one is an older release's.")
+    return None
+
+
 def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     """The mixer's output under MambaLRP's rules, a differentiable function of its inputs.
 
@@ -263,10 +274,9 @@ def lrp(call, work_dtype: torch.dtype) -> torch.Tensor:
     if rules.sigmoid_gate_rule() != "signal":
         raise NotImplementedError(f"mamba_captum: the sigmoid output gate of {type(module).__name__} sits inside its "
                                   "output projection's forward, where only sigmoid_gates='signal' can be applied.")
-    if _class_name(getattr(module, "v_proj", None)) not in KEY_VALUE_PROJECTION_CLASSES or \
-            _class_name(getattr(module, "o_proj", None)) not in GATED_OUTPUT_CLASSES:
-        raise NotImplementedError(f"mamba_captum: MambaLRP's rules for {type(module).__name__} are written for "
-                                  "transformers 5.24's layout (Inkling2KeyValueProjection, Inkling2GatedOutputProjection).")
+    refusal = lrp_refusal(module)
+    if refusal:
+        raise NotImplementedError(f"mamba_captum: {refusal}")
     if "attention_mask" not in options:
         raise ValueError("mamba_captum: Inkling2's MambaLRP rule needs the layer's attention mask as it got it.")
 

@@ -669,6 +669,9 @@ def lrp_plan(model: nn.Module, mixers) -> list[PlannedRule]:
                 f"mamba_captum: MambaLRP has no rules for the token mixer {type(located.module).__name__} "
                 f"({located.name}{f', model type {model_type!r}' if model_type else ''}) yet: "
                 f"{located.adapter.LRP_UNSUPPORTED}.")
+        refusal = located.adapter.lrp_refusal(located.module) if located.adapter.lrp_refusal else None
+        if refusal:
+            raise NotImplementedError(f"mamba_captum: {refusal}")
     planned: list[PlannedRule] = []
     seen: set[int] = set()  # a module shared by several layers (Zamba2's shared block) is planned once
 

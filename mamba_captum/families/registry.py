@@ -102,6 +102,8 @@ class Adapter:
             own modules (RWKV's weight rescaling, RecurrentGemma's cached states).
         claims: ``claims(module) -> bool``: whether a module of one of MIXER_CLASSES mixes tokens and is the
             adapter's to explain (None: every one is; a conv class whose 1×1 members mix only channels says no).
+        lrp_refusal: ``lrp_refusal(module) -> str | None``, why this mixer as loaded has no rules (a layout of
+            another transformers release), or None; MambaLRP refuses the model when it plans it, not mid-call.
         INNER_MIXERS: class name -> submodule paths that the mixer's operator already explains.
         CONSUMES_ATTENTION: True, or the class names, whose operator is built from attention-interface calls.
         ATTENTION_SEGMENTS: one interface call per segment of a packed sequence (all of them make the operator).
@@ -115,6 +117,7 @@ class Adapter:
     rebuild: Callable
     lrp: Callable | None = None
     LRP_UNSUPPORTED: str | None = None
+    lrp_refusal: Callable | None = None
     follows: Callable | None = None
     layer_schedule: Callable | None = None
     preserved_state: Callable | None = None
