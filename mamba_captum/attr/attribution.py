@@ -1,4 +1,5 @@
-"""MambaAttribution: class-specific rollout of gradient-weighted implicit attention (Ali et al. Eq. 23).
+"""MambaAttribution: class-specific rollout of gradient-weighted implicit attention (Ali et al. Eq. 23), or, by default
+on token models with MambaLRP's rules (recipe="auto" -> "relevance"), the magnitude of MambaLRP's relevance.
 
 product, gradient_rule="residual" (the official rule on full matrices):
     s^ℓ[j] = minmax_j(max_d relu(∂ target / ∂ r^ℓ[j, d])),  r^ℓ the residual stream entering decoder layer ℓ,
@@ -34,6 +35,16 @@ GRADIENT_RULES = ("residual", "grad_x_operator")
 # the model classes recipe="auto" explains by MambaLRP's relevance (where their modules have rules): token models
 # with their own output head
 HEADED_MODELS = ("ForCausalLM", "ForSequenceClassification")
+
+
+# the product recipe's options and their defaults: setting any of them asks for the rollout (recipe="auto")
+PRODUCT_DEFAULTS = dict(formulation="unified", start_layer=None, reduce="mean", components=None,
+                        gradient_rule="grad_x_operator", normalise="row_max")
+
+
+def product_options_set(options: dict) -> list[str]:
+    """The names among ``options`` (product-recipe keywords) whose values are not the defaults, in order."""
+    return [name for name, value in options.items() if value != PRODUCT_DEFAULTS[name]]
 
 
 def _has_own_head(model) -> bool:
@@ -106,12 +117,10 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         The product recipe's defaults are its best measured on the trained planted-answer models of
         docs/faithfulness.md. ``target=None`` explains the argmax class / token of each example. Returns (B, L) as
         the inputs."""
-        product_options = dict(formulation=formulation != "unified", start_layer=start_layer is not None,
-                               reduce=reduce != "mean", components=components is not None,
-                               gradient_rule=gradient_rule != "grad_x_operator", normalise=normalise != "row_max")
-        recipe = self._resolved_recipe(recipe, any(product_options.values()))
+        given = product_options_set(dict(formulation=formulation, start_layer=start_layer, reduce=reduce,
+                                         components=components, gradient_rule=gradient_rule, normalise=normalise))
+        recipe = self._resolved_recipe(recipe, bool(given))
         if recipe == "relevance":
-            given = [name for name, set_ in product_options.items() if set_]
             if given:
                 raise ValueError(f"mamba_captum: {', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to "
                                  "the product recipe's rollout, not to recipe='relevance' (MambaLRP's relevance); "
@@ -131,9 +140,9 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
         """As :meth:`ImplicitAttentionMethod.attribute_generation`; ``recipe="auto"`` resolves as in
         :meth:`attribute`. With ``"relevance"`` each generated token's row is MambaLRP's relevance of its logit (one
         forward and one backward per generated token), its magnitude (``sign="positive"``: its positive part)."""
-        product_given = (formulation != "unified" or start_layer is not None or reduce != "mean"
-                         or components is not None or kwargs.get("gradient_rule", "grad_x_operator") != "grad_x_operator"
-                         or kwargs.get("normalise", "row_max") != "row_max")
+        product_given = bool(product_options_set(dict(
+            formulation=formulation, start_layer=start_layer, reduce=reduce, components=components,
+            **{name: kwargs[name] for name in ("gradient_rule", "normalise") if name in kwargs})))
         resolved = self._resolved_recipe(recipe, product_given)
         if resolved != "relevance":
             return super().attribute_generation(inp, target, tokenizer=tokenizer, gen_args=gen_args,
@@ -158,12 +167,11 @@ class MambaAttribution(ImplicitAttentionMethod, GradientAttribution):
     def resolve_recipe(self, recipe: str = "auto", **options) -> str:
         """The recipe :meth:`attribute` runs for ``recipe`` and the keywords ``options`` (its product-recipe keywords,
         e.g. ``formulation="hidden"``): ``"relevance"``, ``"product"`` or ``"official"``."""
-        defaults = dict(formulation="unified", start_layer=None, reduce="mean", components=None,
-                        gradient_rule="grad_x_operator", normalise="row_max")
-        unknown = set(options) - set(defaults)
+        unknown = set(options) - set(PRODUCT_DEFAULTS)
         if unknown:
-            raise TypeError(f"mamba_captum: resolve_recipe() got {sorted(unknown)}; it takes {sorted(defaults)}.")
-        return self._resolved_recipe(recipe, any(options[k] != defaults[k] for k in options))
+            raise TypeError(f"mamba_captum: resolve_recipe() got {sorted(unknown)}; it takes "
+                            f"{sorted(PRODUCT_DEFAULTS)}.")
+        return self._resolved_recipe(recipe, bool(product_options_set(options)))
 
     def _resolved_recipe(self, recipe, product_options_given):
         if recipe not in ("auto",) + RECIPES + ("relevance",):
